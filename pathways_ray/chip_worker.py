@@ -1,0 +1,161 @@
+"""The actor on one TPU chip.
+
+A ``ChipWorker`` owns one XLA device: one TPU chip on TPUs, one XLA CPU device
+on the emulated fleet. The workers of a slice form one JAX world
+(``jax.distributed``; collectives over ICI on TPUs, over gloo on CPU). It holds
+no policy and runs no user Python: the controller tells it what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import numpy as np
+import ray
+
+from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env
+
+logger = logging.getLogger(__name__)
+
+PLATFORM_ENV = "PATHWAYS_RAY_PLATFORM"
+
+
+def _detect_platform() -> str:
+    forced = os.environ.get(PLATFORM_ENV)
+    if forced:
+        if forced not in ("cpu", "tpu"):
+            raise ValueError(f"{PLATFORM_ENV}={forced!r} must be 'cpu' or 'tpu'")
+        return forced
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+
+    return "tpu" if TPUAcceleratorManager.get_current_node_num_accelerators() > 0 else "cpu"
+
+
+class ChipWorker:
+    """One chip. Create it with ``ray.remote(ChipWorker)`` and ``resources={"TPU": 1}``."""
+
+    def __init__(self, slice_name: str | None = None):
+        ctx = ray.get_runtime_context()
+        chips = ctx.get_accelerator_ids().get("TPU") or []
+        if len(chips) != 1:
+            raise RuntimeError(
+                f"a ChipWorker must hold exactly one TPU chip, Ray assigned {chips!r}; "
+                f"create it with resources={{'TPU': 1}}"
+            )
+        self.info = ChipInfo(
+            slice_name=os.environ.get("TPU_NAME") or slice_name or "",
+            worker_id=int(os.environ.get("TPU_WORKER_ID", "0") or 0),
+            chip=int(chips[0]),
+            node_id=ctx.get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            platform=_detect_platform(),
+        )
+        self.rank: int | None = None
+        self._mesh = None
+        self._reducers: dict = {}
+
+    # ---- placement ---------------------------------------------------------
+    @ray.method(concurrency_group="control")
+    def get_info(self) -> ChipInfo:
+        return self.info
+
+    @ray.method(concurrency_group="control")
+    def reserve_port(self) -> int:
+        """A free TCP port on this host (for the JAX coordinator or libtpu)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        return -1 if self.rank is None else self.rank
+
+    # ---- the JAX world -------------------------------------------------------
+    def init_world(
+        self,
+        *,
+        coordinator: str,
+        num_processes: int,
+        rank: int,
+        timeout_s: float,
+        process_addresses: list[str] | None = None,
+        slice_shape: tuple[int, ...] | None = None,
+    ) -> dict:
+        """Join the slice's JAX world as process ``rank``; returns what JAX sees."""
+        if self.info.platform == "cpu":
+            env = cpu_env(os.environ)
+        else:
+            env = tpu_multiprocess_env(
+                rank=rank, chip=self.info.chip,
+                process_addresses=process_addresses or [], slice_shape=slice_shape or (),
+            )
+        for key, value in env.items():
+            if value == "":
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        t0 = time.monotonic()
+        import jax
+
+        if self.info.platform == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=rank,
+            initialization_timeout=int(max(1, timeout_s)),
+        )
+        from jax.sharding import Mesh
+
+        self.rank = rank
+        self._mesh = Mesh(np.array(jax.devices()), ("chips",))
+        local = jax.local_devices()
+        if len(local) != 1:
+            raise RuntimeError(
+                f"chip worker rank {rank} sees {len(local)} local devices, expected 1; "
+                f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}"
+            )
+        return {
+            "rank": rank,
+            "process_index": jax.process_index(),
+            "device_count": jax.device_count(),
+            "local_device": str(local[0]),
+            "platform": local[0].platform,
+            "init_s": time.monotonic() - t0,
+        }
+
+    def all_reduce(self, value) -> np.ndarray:
+        """Sum ``value`` over every chip of the slice with one XLA collective.
+
+        Every worker of the slice must call this with the same shape and dtype.
+        """
+        if self._mesh is None:
+            raise RuntimeError("init_world() has not run on this chip worker")
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        x = np.asarray(value)
+        key = (x.shape, x.dtype.str)
+        if key not in self._reducers:
+            self._reducers[key] = jax.jit(
+                lambda a: a.sum(axis=0), out_shardings=NamedSharding(self._mesh, P())
+            )
+        n = self._mesh.size
+        local = jax.device_put(x[None], jax.local_devices()[0])
+        global_x = jax.make_array_from_single_device_arrays(
+            (n, *x.shape), NamedSharding(self._mesh, P("chips")), [local]
+        )
+        out = self._reducers[key](global_x)
+        return np.asarray(out.addressable_data(0))
+
+    def shutdown_world(self) -> None:
+        if self._mesh is not None:
+            import jax
+
+            jax.distributed.shutdown()
+            self._mesh = None

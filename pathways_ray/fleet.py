@@ -1,0 +1,557 @@
+"""TPU fleets: the TPU hosts a Ray cluster has.
+
+``Fleet.attach()`` joins a running cluster (KubeRay on GKE, a TPU VM) and
+emulates nothing. ``LocalFleet`` starts a real multi-node Ray cluster on this
+machine with one raylet per emulated TPU host. Each host's raylet gets the env
+vars GKE's TPU webhook sets on a TPU pod (``TPU_NAME``, ``TPU_WORKER_ID``,
+``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``, …) and ``TPU: <chips>``; Ray's
+own TPU detection then derives the ``TPU-<pod>-head`` and slice-name resources
+and the ``ray.io/tpu-*`` labels exactly as on a real host, so the reservation
+code that runs here is the code that runs on TPUs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pathways_ray import _auth, _procs
+from pathways_ray.cluster import SliceView, slices_from_nodes
+from pathways_ray.errors import FleetError
+from pathways_ray.topology import Topology
+
+__all__ = ["Fleet", "HostPlan", "LocalFleet", "plan_hosts"]
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "pathways-ray"
+DIR_ENV = "PATHWAYS_RAY_DIR"
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
+
+# GCS notices a dead emulated host within ~5 s instead of Ray's default ~60 s.
+_HEAD_SYSTEM_CONFIG = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 5,
+}
+
+
+def base_dir() -> Path:
+    """Where local fleets keep their state: ``$PATHWAYS_RAY_DIR`` or ``/tmp/pathways-ray``.
+
+    Kept short because Ray's Unix socket paths live below it.
+    """
+    return Path(os.environ.get(DIR_ENV, "/tmp/pathways-ray"))
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One emulated TPU host: which slice, which TPU worker, and its env."""
+
+    slice_name: str
+    worker_id: int
+    topology: Topology
+    num_cpus: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.slice_name}/{self.worker_id}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.topology.host_env(self.slice_name, self.worker_id)
+
+    @property
+    def resources(self) -> dict[str, float]:
+        # Only TPU: Ray adds accelerator_type, <slice name> and TPU-<pod>-head itself.
+        return {"TPU": self.topology.chips_per_host}
+
+
+def plan_hosts(slices: Sequence[Topology], cpus_per_host: int | None = None) -> list[HostPlan]:
+    """Name every slice ``<gen>-<shape>-<index>`` and lay out its hosts."""
+    plans = []
+    for index, topo in enumerate(slices):
+        name = f"{topo.generation.name}-{topo.name}-{index}"
+        cpus = cpus_per_host or max(4, 2 * topo.chips_per_host)
+        for worker_id in range(topo.num_hosts):
+            plans.append(HostPlan(name, worker_id, topo, cpus))
+    return plans
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _ray_cli() -> list[str]:
+    exe = Path(sys.executable).with_name("ray")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def _ensure_connected(address: str, namespace: str = NAMESPACE) -> None:
+    import ray
+
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if current == address or address == "auto":
+            return
+        raise FleetError(
+            f"this process is already connected to the Ray cluster at {current}, not "
+            f"{address}; call ray.shutdown() first"
+        )
+    ray.init(address=address, namespace=namespace, logging_level="WARNING",
+             log_to_driver=True)
+
+
+class Fleet:
+    """A Ray cluster's TPU hosts, grouped into slices. Emulates nothing."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+    @classmethod
+    def attach(cls, address: str = "auto") -> Fleet:
+        """Connect this process to a running Ray cluster (``ray.init(address=...)``).
+
+        Authentication comes from the environment as for any Ray driver
+        (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN_PATH`` or ``RAY_AUTH_TOKEN``).
+        """
+        import ray
+
+        _ensure_connected(address)
+        return cls(ray.get_runtime_context().gcs_address)
+
+    def slices(self) -> list[SliceView]:
+        """The TPU slices the cluster has right now, with free chips per host."""
+        import ray
+        from ray._private.state import available_resources_per_node
+
+        return slices_from_nodes(ray.nodes(), available_resources_per_node())
+
+    def shutdown(self) -> None:
+        """Disconnect; an attached cluster keeps running."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass
+class _State:
+    """What ``pathways-ray down`` needs to find a fleet started by another process."""
+
+    name: str
+    fleet_id: str
+    address: str
+    token_path: str
+    dashboard_url: str | None
+    slices: list[dict] = field(default_factory=list)
+    created: float = 0.0
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def read(cls, path: Path) -> _State:
+        return cls(**json.loads(path.read_text()))
+
+
+class LocalFleet(Fleet):
+    """A real multi-node Ray cluster on this machine emulating TPU slices.
+
+    Example::
+
+        with LocalFleet(num_slices=2, accelerator="v6e", topology="2x4",
+                        chips_per_host=4) as fleet:
+            ...  # two v6e-8 slices, each 2 hosts x 4 chips
+
+    ``slices`` takes a list of ``Topology`` (or ``"v5p-2x2x2"``-style strings)
+    for fleets that mix generations and shapes. The head node carries no TPU,
+    like a KubeRay head pod. Processes are stopped on ``shutdown()``, on leaving
+    the ``with`` block, and at interpreter exit; ``detach=True`` leaves them
+    running for ``pathways-ray down``.
+    """
+
+    def __init__(
+        self,
+        slices: Sequence[Topology | str] | None = None,
+        *,
+        num_slices: int = 2,
+        accelerator: str = "v6e",
+        topology: str = "2x4",
+        chips_per_host: int | None = None,
+        name: str = "local",
+        cpus_per_host: int | None = None,
+        head_cpus: int = 2,
+        object_store_mb: int = 256,
+        dashboard: bool = False,
+        start_timeout_s: float = 120.0,
+        connect: bool = True,
+        detach: bool = False,
+    ):
+        if slices is None:
+            if not isinstance(num_slices, int) or num_slices < 1:
+                raise ValueError(
+                    f"num_slices={num_slices!r} must be a positive integer (slices to emulate)"
+                )
+            topo = Topology.parse(accelerator, topology, chips_per_host=chips_per_host)
+            slices = [topo] * num_slices
+        if not slices:
+            raise ValueError("slices=[] is empty; pass at least one slice to emulate")
+        self.topologies = [_as_topology(s) for s in slices]
+        if not _NAME_RE.match(name or ""):
+            raise ValueError(
+                f"name={name!r} must be 1-20 characters of a-z, 0-9 and '-', starting "
+                f"with a letter (it becomes part of socket paths)"
+            )
+        if object_store_mb < 80:
+            raise ValueError(f"object_store_mb={object_store_mb} is below Ray's minimum of 80")
+        self.name = name
+        self.hosts = plan_hosts(self.topologies, cpus_per_host)
+        self.head_cpus = head_cpus
+        self.object_store_mb = object_store_mb
+        self.dashboard = dashboard
+        self.start_timeout_s = start_timeout_s
+        self.connect = connect
+        self.detach = detach
+        self.dir = base_dir() / name
+        self.token_path = self.dir / "auth_token"
+        self.fleet_id = ""
+        self.address = ""
+        self.dashboard_url: str | None = None
+        self.node_ids: dict[str, str] = {}  # host key -> Ray node id
+        self._started = False
+
+    # ---- lifecycle --------------------------------------------------------
+    def start(self, progress: ProgressFn | None = None) -> LocalFleet:
+        """Start the head and every host; returns once all hosts joined."""
+        if self._started:
+            return self
+        state_file = self.dir / "fleet.json"
+        if state_file.exists():
+            old = _State.read(state_file)
+            if _procs.find(_procs.FLEET_ENV, old.fleet_id):
+                raise FleetError(
+                    f"a fleet named {self.name!r} is already running at {old.address}; "
+                    f"stop it with `pathways-ray down --name {self.name}` or pick another name="
+                )
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        _auth.write_token(self.token_path)
+        self.fleet_id = f"{self.name}-{uuid.uuid4().hex[:8]}"
+        self._started = True
+        if not self.detach:
+            atexit.register(self.shutdown)
+        total = len(self.hosts) + 1
+        progress = progress or (lambda msg, done, total: logger.info("%s (%d/%d)", msg, done,
+                                                                      total))
+        t0 = time.monotonic()
+        try:
+            port = _free_port()
+            head_args = [
+                "--head", f"--port={port}", f"--num-cpus={self.head_cpus}",
+                f"--system-config={json.dumps(_HEAD_SYSTEM_CONFIG)}",
+                f"--ray-client-server-port={_free_port()}",
+                f"--include-dashboard={'true' if self.dashboard else 'false'}",
+            ]
+            if self.dashboard:
+                dash_port = _free_port()
+                head_args += [f"--dashboard-port={dash_port}", "--dashboard-host=127.0.0.1"]
+            progress("starting head node", 0, total)
+            head = self._spawn("head", head_args, {})
+            self._wait_started([("head", head)], t0)
+            self.address = f"{self._node_ip()}:{port}"
+            if self.dashboard:
+                self.dashboard_url = f"http://127.0.0.1:{dash_port}"
+            progress("head node up", 1, total)
+            procs = []
+            for i, plan in enumerate(self.hosts):
+                args = [
+                    f"--address={self.address}",
+                    f"--num-cpus={plan.num_cpus}",
+                    f"--resources={json.dumps(plan.resources)}",
+                ]
+                env = {**plan.env, _procs.HOST_ENV: plan.key}
+                procs.append((plan.key, self._spawn(f"host{i}", args, env)))
+            self._wait_started(procs, t0, progress=progress, offset=1, total=total)
+            _State(
+                name=self.name,
+                fleet_id=self.fleet_id,
+                address=self.address,
+                token_path=str(self.token_path),
+                dashboard_url=self.dashboard_url,
+                slices=[
+                    {"name": n, "topology": str(t), "chips_per_host": t.chips_per_host}
+                    for n, t in self.slice_names().items()
+                ],
+                created=time.time(),
+            ).write(state_file)
+            if self.connect:
+                _auth.use_token(self.token_path)
+                _ensure_connected(self.address)
+                self._wait_registered(t0)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("fleet %s up in %.1fs at %s", self.name, time.monotonic() - t0, self.address)
+        return self
+
+    def shutdown(self) -> None:
+        """Disconnect and stop every process of this fleet; remove its directory."""
+        if not self._started:
+            return
+        self._started = False
+        try:
+            import ray
+
+            if ray.is_initialized() and self.address and (
+                ray.get_runtime_context().gcs_address == self.address
+            ):
+                ray.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            logger.exception("ray.shutdown() failed; stopping the processes anyway")
+        stop_fleet_processes(self.fleet_id)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            atexit.unregister(self.shutdown)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __enter__(self) -> LocalFleet:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- facts --------------------------------------------------------------
+    @property
+    def env(self) -> dict[str, str]:
+        """What another process needs to join: ``RAY_ADDRESS`` and the auth settings."""
+        return {"RAY_ADDRESS": self.address, **_auth.auth_env(self.token_path)}
+
+    def slice_names(self) -> dict[str, Topology]:
+        """Slice name -> topology, in the order they were declared."""
+        out: dict[str, Topology] = {}
+        for plan in self.hosts:
+            out.setdefault(plan.slice_name, plan.topology)
+        return out
+
+    # ---- fault injection ------------------------------------------------------
+    def remove_host(self, slice_name: str, worker_id: int, timeout_s: float = 30.0) -> str:
+        """Kill one emulated host as a VM loss would: SIGKILL to its raylet and
+        every process on it, then wait until Ray marks the node dead.
+
+        Returns the dead node's id.
+        """
+        plan = self._plan(slice_name, worker_id)
+        node_id = self.node_ids.get(plan.key, "")
+        killed = _procs.kill_all(_procs.HOST_ENV, plan.key, grace_s=0,
+                                 sig=_procs.signal.SIGKILL)
+        if not killed:
+            raise FleetError(f"host {plan.key} has no running processes; was it already removed?")
+        logger.warning("removed emulated host %s (node %s, %d processes)", plan.key,
+                       node_id[:8], killed)
+        if self.connect and node_id:
+            self._wait_node_state(node_id, alive=False, timeout_s=timeout_s)
+        return node_id
+
+    def restore_host(self, slice_name: str, worker_id: int, timeout_s: float = 60.0) -> str:
+        """Start a fresh raylet for a removed host (a replacement VM). Returns its node id."""
+        plan = self._plan(slice_name, worker_id)
+        if _procs.find(_procs.HOST_ENV, plan.key):
+            raise FleetError(f"host {plan.key} is still running; remove_host() it first")
+        i = self.hosts.index(plan)
+        args = [f"--address={self.address}", f"--num-cpus={plan.num_cpus}",
+                f"--resources={json.dumps(plan.resources)}"]
+        proc = self._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", args,
+                           {**plan.env, _procs.HOST_ENV: plan.key})
+        self._wait_started([(plan.key, proc)], time.monotonic(), timeout_s=timeout_s)
+        if self.connect:
+            self._wait_registered(time.monotonic(), timeout_s=timeout_s)
+        return self.node_ids[plan.key]
+
+    # ---- internals ------------------------------------------------------------------
+    def _plan(self, slice_name: str, worker_id: int) -> HostPlan:
+        for plan in self.hosts:
+            if plan.slice_name == slice_name and plan.worker_id == worker_id:
+                return plan
+        raise ValueError(
+            f"no host slice_name={slice_name!r} worker_id={worker_id!r}; hosts are: "
+            + ", ".join(p.key for p in self.hosts)
+        )
+
+    def _spawn(self, tag: str, args: list[str], extra_env: dict[str, str]) -> subprocess.Popen:
+        temp_dir = self.dir / tag
+        temp_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            **_auth.auth_env(self.token_path),
+            _procs.FLEET_ENV: self.fleet_id,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            **extra_env,
+        }
+        env.pop(_auth.TOKEN, None)
+        env.pop("RAY_ADDRESS", None)
+        for key in ("TPU_NAME", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY",
+                    "TPU_WORKER_HOSTNAMES"):
+            if key not in extra_env:
+                env.pop(key, None)  # the head is not a TPU host
+        cmd = _ray_cli() + [
+            "start",
+            f"--temp-dir={temp_dir}",
+            f"--object-store-memory={self.object_store_mb * 1024 * 1024}",
+            "--disable-usage-stats",
+            "--min-worker-port=0",
+            "--max-worker-port=0",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}",
+            *args,
+        ]
+        log_path = temp_dir / "ray-start.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        proc.log_path = log_path  # type: ignore[attr-defined]
+        return proc
+
+    def _wait_started(self, procs, t0: float, *, progress: ProgressFn | None = None,
+                      offset: int = 0, total: int = 0, timeout_s: float | None = None) -> None:
+        """Wait for each ``ray start`` to return (it returns once its node is up)."""
+        deadline = t0 + (timeout_s or self.start_timeout_s)
+        pending = dict(procs)
+        done = offset
+        while pending:
+            for key, proc in list(pending.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                del pending[key]
+                if rc != 0:
+                    text = proc.log_path.read_text(errors="replace")
+                    tail = "".join(text.splitlines(True)[-15:])
+                    raise FleetError(f"`ray start` for {key} exited with {rc}:\n{tail}")
+                done += 1
+                if progress:
+                    progress(f"host {key} joined", done, total)
+            if pending and time.monotonic() > deadline:
+                raise FleetError(
+                    f"{len(pending)} node(s) did not start within start_timeout_s="
+                    f"{timeout_s or self.start_timeout_s:.0f}: {', '.join(pending)}; the machine "
+                    f"may be overloaded — raise start_timeout_s or emulate fewer hosts"
+                )
+            time.sleep(0.1)
+
+    def _node_ip(self) -> str:
+        from ray._private.services import get_node_ip_address
+
+        return get_node_ip_address()
+
+    def _wait_registered(self, t0: float, timeout_s: float | None = None) -> None:
+        """Wait until GCS lists every planned host alive; record node ids."""
+        import ray
+
+        deadline = t0 + (timeout_s or self.start_timeout_s)
+        while True:
+            seen = {}
+            for node in ray.nodes():
+                labels = node.get("Labels") or {}
+                if node.get("Alive") and "ray.io/tpu-slice-name" in labels:
+                    key = f"{labels['ray.io/tpu-slice-name']}/{labels['ray.io/tpu-worker-id']}"
+                    seen[key] = node["NodeID"]
+            if all(p.key in seen for p in self.hosts):
+                self.node_ids = seen
+                return
+            if time.monotonic() > deadline:
+                missing = [p.key for p in self.hosts if p.key not in seen]
+                raise FleetError(f"hosts {missing} did not register with the head in time")
+            time.sleep(0.2)
+
+    def _wait_node_state(self, node_id: str, alive: bool, timeout_s: float) -> None:
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for node in ray.nodes():
+                if node["NodeID"] == node_id and bool(node["Alive"]) == alive:
+                    return
+            time.sleep(0.2)
+        raise FleetError(
+            f"Ray did not mark node {node_id[:8]} {'alive' if alive else 'dead'} within "
+            f"timeout_s={timeout_s}"
+        )
+
+
+def _as_topology(s: Topology | str) -> Topology:
+    if isinstance(s, Topology):
+        return s
+    if isinstance(s, str) and "-" in s:
+        gen, _, shape = s.rpartition("-")
+        if "x" in shape:
+            return Topology.parse(gen, shape)
+        return Topology.parse(s)
+    raise ValueError(
+        f"slices entry {s!r} must be a Topology or a string like 'v6e-4x4' or 'v5p-16'"
+    )
+
+
+def stop_fleet_processes(fleet_id: str, grace_s: float = 5.0) -> int:
+    """Stop every process that belongs to ``fleet_id``; returns how many there were."""
+    if not fleet_id:
+        return 0
+    n = _procs.kill_all(_procs.FLEET_ENV, fleet_id, grace_s=grace_s)
+    left = _procs.wait_gone(_procs.FLEET_ENV, fleet_id, timeout_s=5)
+    if left:
+        raise FleetError(f"processes {[p.pid for p in left]} of fleet {fleet_id} survived")
+    return n
+
+
+def running_fleets() -> list[_State]:
+    """Local fleets with live processes, from their state files."""
+    out = []
+    root = base_dir()
+    if not root.exists():
+        return out
+    for state_file in sorted(root.glob("*/fleet.json")):
+        try:
+            state = _State.read(state_file)
+        except (OSError, ValueError, TypeError):
+            continue
+        if _procs.find(_procs.FLEET_ENV, state.fleet_id):
+            out.append(state)
+    return out
+
+
+def stop_local_fleet(name: str) -> int:
+    """Stop a fleet started by another process (``pathways-ray up``)."""
+    state_file = base_dir() / name / "fleet.json"
+    if not state_file.exists():
+        raise FleetError(f"no local fleet named {name!r} (looked for {state_file})")
+    state = _State.read(state_file)
+    n = stop_fleet_processes(state.fleet_id)
+    shutil.rmtree(state_file.parent, ignore_errors=True)
+    return n

@@ -1,0 +1,84 @@
+"""How chip workers are ranked and what environment each one's JAX needs.
+
+Pure: no Ray, no JAX import. ``ChipWorker`` applies these before importing JAX.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["ChipInfo", "cpu_env", "rank_order", "tpu_multiprocess_env"]
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+@dataclass(frozen=True)
+class ChipInfo:
+    """Where one chip worker runs, as the worker itself sees it."""
+
+    slice_name: str
+    worker_id: int  # the host's TPU worker id (TPU_WORKER_ID / ray.io/tpu-worker-id)
+    chip: int  # the chip index on its host (from TPU_VISIBLE_CHIPS / Ray's TPU ids)
+    node_id: str
+    ip: str
+    pid: int
+    platform: str  # "cpu" (emulated) or "tpu"
+
+
+def rank_order(infos: Sequence[ChipInfo]) -> list[int]:
+    """Indices of ``infos`` in rank order: by TPU worker id, then chip index.
+
+    Bundle order is not rank order (Ray does not promise that bundle 0 lands
+    on TPU worker 0), so ranks come from what each worker reports.
+    """
+    seen: dict[tuple[int, int], int] = {}
+    for i, info in enumerate(infos):
+        key = (info.worker_id, info.chip)
+        if key in seen:
+            raise ValueError(
+                f"two chip workers report TPU worker {info.worker_id} chip {info.chip} "
+                f"(pids {infos[seen[key]].pid} and {info.pid}); each chip must have one worker"
+            )
+        seen[key] = i
+    return [seen[k] for k in sorted(seen)]
+
+
+def cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Env for an emulated chip: JAX on one XLA CPU device.
+
+    Workers inherit ``XLA_FLAGS`` from wherever they were started (a driver
+    that asked for 8 fake devices would give every chip 8), so the device-count
+    flag is replaced, other flags kept.
+    """
+    flags = _DEVICE_COUNT_FLAG.sub("", environ.get("XLA_FLAGS", "")).split()
+    flags.append("--xla_force_host_platform_device_count=1")
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+
+
+def tpu_multiprocess_env(
+    *, rank: int, chip: int, process_addresses: Sequence[str], slice_shape: Sequence[int]
+) -> dict[str, str]:
+    """libtpu's multi-process variables for one process per chip.
+
+    Ray gives a ``{"TPU": 1}`` actor ``TPU_VISIBLE_CHIPS`` and single-host
+    bounds; one JAX program spanning every chip of the slice instead needs each
+    process to own one chip (``TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1``) inside a
+    process grid the shape of the slice, with every peer's address.
+    """
+    if not 0 <= rank < len(process_addresses):
+        raise ValueError(f"rank={rank} is outside 0..{len(process_addresses) - 1}")
+    shape = list(slice_shape) + [1] * (3 - len(slice_shape))
+    port = process_addresses[rank].rsplit(":", 1)[1]
+    return {
+        "TPU_VISIBLE_CHIPS": str(chip),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+        "TPU_PROCESS_BOUNDS": ",".join(map(str, shape)),
+        "TPU_PROCESS_ADDRESSES": ",".join(process_addresses),
+        "TPU_PROCESS_PORT": port,
+        "CLOUD_TPU_TASK_ID": str(rank),
+        # Ray's single-host bounds for a 1-chip actor contradict the grid above.
+        "TPU_CHIPS_PER_HOST_BOUNDS": "",
+        "TPU_HOST_BOUNDS": "",
+    }
