@@ -365,4 +365,11 @@ def list_registered_slices() -> list[dict]:
             pairs.append((w, handle))
     for w, state in _ping_all(pairs, 3.0):
         w["health"] = state
-    return sorted(records, key=lambda r: r["name"])
+    live = []
+    for rec in records:
+        if all(w["health"] in ("gone", "dead") for w in rec["workers"]):
+            # Its owner exited without shutdown() (killed): the actors died with it.
+            internal_kv._internal_kv_del(_KV_PREFIX + rec["name"], namespace=NAMESPACE)
+        else:
+            live.append(rec)
+    return sorted(live, key=lambda r: r["name"])

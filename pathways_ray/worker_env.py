@@ -54,7 +54,13 @@ def cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
     """
     flags = _DEVICE_COUNT_FLAG.sub("", environ.get("XLA_FLAGS", "")).split()
     flags.append("--xla_force_host_platform_device_count=1")
-    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+    return {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join(flags),
+        # XLA's INFO/WARNING lines (gloo peer counts, the preemption notifier) would be
+        # echoed to the driver by every chip; errors still show. The user's choice wins.
+        "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+    }
 
 
 def tpu_multiprocess_env(

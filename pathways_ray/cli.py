@@ -1,0 +1,216 @@
+"""``pathways-ray``: start, inspect and stop TPU fleets.
+
+    pathways-ray up --slices 2 --accelerator v6e --topology 2x4 --chips-per-host 4
+    pathways-ray status
+    pathways-ray down
+    pathways-ray demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from pathways_ray.errors import PathwaysError
+from pathways_ray.topology import GENERATIONS, Topology
+
+console = Console()
+err = Console(stderr=True)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def _fleet_args(p: argparse.ArgumentParser, *, default_slices: int = 2) -> None:
+    gens = ", ".join(GENERATIONS)
+    p.add_argument("--slices", type=_positive_int, default=default_slices,
+                   help=f"number of TPU slices to emulate (default {default_slices})")
+    p.add_argument("--accelerator", default="v6e",
+                   help=f"TPU generation: {gens}; or a pod type like v6e-16 (default v6e)")
+    p.add_argument("--topology", default=None,
+                   help="slice shape, e.g. 2x4, 4x4, 2x2x2 (default 2x4, or from the pod type)")
+    p.add_argument("--chips-per-host", type=_positive_int, default=None,
+                   help="override chips per host where GKE offers a choice (v5e/v6e 2x4: 8 or 4)")
+
+
+def _topology(args) -> Topology:
+    topology = args.topology
+    if topology is None and not re.search(r"-[0-9]+$", args.accelerator.strip()):
+        topology = "2x4"  # a generation alone; a pod type such as v6e-16 implies its shape
+    return Topology.parse(args.accelerator, topology, chips_per_host=args.chips_per_host)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pathways-ray",
+        description="A single-controller runtime for TPU fleets on Ray. Emulates a fleet of "
+        "TPU hosts on this machine (one Ray node per host, one XLA CPU device per chip) or "
+        "inspects a real one.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start a local emulated TPU fleet and leave it running",
+                        description="Start a local Ray cluster that emulates TPU slices. "
+                        "It keeps running until `pathways-ray down`.")
+    _fleet_args(up)
+    up.add_argument("--name", default="local", help="fleet name (default local)")
+    up.add_argument("--dashboard", action="store_true",
+                    help="start the Ray dashboard (needed for `ray job submit`)")
+
+    st = sub.add_parser("status", help="show slices, hosts, chips and worker health",
+                        description="Show the TPU slices of a running cluster: every host, its "
+                        "chips in use, and the health of chip workers of reserved slices.")
+    st.add_argument("--address", default=None,
+                    help="Ray cluster address (default: $RAY_ADDRESS, else the local fleet)")
+    st.add_argument("--name", default=None, help="local fleet name, when several are running")
+
+    down = sub.add_parser("down", help="stop a local emulated fleet")
+    down.add_argument("--name", default=None, help="fleet name (default: the only one running)")
+    down.add_argument("--all", action="store_true", help="stop every local fleet")
+
+    demo = sub.add_parser("demo", help="run the main job on a fresh local fleet",
+                          description="Start a local fleet, reserve every slice, run an "
+                          "all-reduce on each, print the status table and shut down.")
+    _fleet_args(demo)
+    demo.set_defaults(chips_per_host=4)  # multi-host slices: 2 hosts x 4 chips per v6e 2x4
+    return parser
+
+
+def cmd_up(args) -> int:
+    from pathways_ray._ui import fleet_progress
+    from pathways_ray.fleet import LocalFleet
+    from pathways_ray.status import collect_status, render_status
+
+    topo = _topology(args)
+    fleet = LocalFleet(num_slices=args.slices, accelerator=topo.generation.name,
+                       topology=topo.name, chips_per_host=topo.chips_per_host,
+                       name=args.name, dashboard=args.dashboard, detach=True)
+    err.print(f"starting {args.slices} x {topo.describe()} as fleet {args.name!r}")
+    try:
+        with fleet_progress(err) as update:
+            fleet.start(progress=update)
+    except BaseException:
+        fleet.shutdown()
+        raise
+    console.print(render_status(*collect_status()))
+    console.print("\nConnect from another shell:")
+    for key, value in fleet.env.items():
+        console.print(f"  export {key}={value}", soft_wrap=True, highlight=False)
+    if fleet.dashboard_url:
+        console.print(f"  # dashboard: {fleet.dashboard_url}  (ray job submit --address "
+                      f"{fleet.dashboard_url} ...)", soft_wrap=True, highlight=False)
+    console.print(f"Stop it with: pathways-ray down --name {args.name}")
+    return 0
+
+
+def _connect_for_status(args):
+    """Connect to --address, $RAY_ADDRESS, or the running local fleet."""
+    from pathways_ray import _auth
+    from pathways_ray.fleet import Fleet, running_fleets
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address is None:
+        fleets = running_fleets()
+        if args.name:
+            fleets = [f for f in fleets if f.name == args.name]
+        if not fleets:
+            raise PathwaysError(
+                "no cluster to inspect: no local fleet is running (start one with "
+                "`pathways-ray up`) and neither --address nor $RAY_ADDRESS is set"
+            )
+        if len(fleets) > 1:
+            raise PathwaysError(
+                "several local fleets are running ("
+                + ", ".join(f.name for f in fleets) + "); pick one with --name"
+            )
+        address = fleets[0].address
+        _auth.use_token(Path(fleets[0].token_path))
+    return Fleet.attach(address)
+
+
+def cmd_status(args) -> int:
+    from pathways_ray.status import collect_status, render_status
+
+    fleet = _connect_for_status(args)
+    try:
+        console.print(render_status(*collect_status()))
+    finally:
+        fleet.shutdown()
+    return 0
+
+
+def cmd_down(args) -> int:
+    from pathways_ray.fleet import running_fleets, stop_local_fleet
+
+    running = running_fleets()
+    if args.all:
+        names = [f.name for f in running]
+    elif args.name:
+        names = [args.name]
+    elif len(running) == 1:
+        names = [running[0].name]
+    elif not running:
+        console.print("no local fleet is running")
+        return 0
+    else:
+        raise PathwaysError(
+            "several local fleets are running (" + ", ".join(f.name for f in running)
+            + "); pick one with --name or stop them all with --all"
+        )
+    for name in names:
+        n = stop_local_fleet(name)
+        console.print(f"stopped fleet {name!r} ({n} processes)")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from pathways_ray.demo import run_demo
+
+    topo = _topology(args)
+    run_demo(num_slices=args.slices, accelerator=topo.generation.name, topology=topo.name,
+             chips_per_host=topo.chips_per_host, console=console)
+    return 0
+
+
+COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # `kill <pid>` unwinds like Ctrl-C, so fleets stop their processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return COMMANDS[args.command](args)
+    except ValueError as e:
+        parser.error(str(e))  # exits 2 with usage
+    except PathwaysError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        err.print("interrupted; stopped what was started")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""An emulated fleet of 2 v6e 2x4 slices (2 hosts x 4 chips each) on a real Ray cluster.
+
+One fleet for the whole module. The tests run in file order; the host-removal
+test comes last because it takes a host away.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import ray
+
+from pathways_ray import LocalFleet, ReservationTimeout, Slice, WorkerDied
+from pathways_ray.slice import list_registered_slices
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    # A driver that asked for 8 fake CPU devices: chip workers must still get one each.
+    old = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    f = LocalFleet(num_slices=2, accelerator="v6e", topology="2x4", chips_per_host=4,
+                   name="tfleet")
+    try:
+        f.start()
+        yield f
+    finally:
+        f.shutdown()
+        if old is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = old
+
+
+@pytest.fixture(scope="module")
+def slices(fleet):
+    a = Slice.reserve("v6e-2x4", chips_per_host=4, timeout_s=60)
+    b = Slice.reserve("v6e-2x4", chips_per_host=4, timeout_s=60)
+    yield a, b
+    a.shutdown()
+    b.shutdown()
+
+
+def _tpu_nodes():
+    return [n for n in ray.nodes() if n["Alive"] and "TPU" in n["Resources"]]
+
+
+def test_hosts_have_gke_tpu_resources_and_labels(fleet):
+    """Every emulated host carries exactly what Ray derives on a GKE TPU host."""
+    nodes = _tpu_nodes()
+    assert len(nodes) == 4
+    seen = set()
+    for n in nodes:
+        labels, res = n["Labels"], n["Resources"]
+        name, wid = labels["ray.io/tpu-slice-name"], labels["ray.io/tpu-worker-id"]
+        seen.add((name, wid))
+        assert labels["ray.io/tpu-pod-type"] == "v6e-8"
+        assert labels["ray.io/tpu-topology"] == "2x4"
+        assert labels["ray.io/accelerator-type"] == "TPU-V6E"
+        assert res["TPU"] == 4
+        assert res["accelerator_type:TPU-V6E"] == 1
+        assert res[name] == 1
+        assert ("TPU-v6e-8-head" in res) == (wid == "0")
+    assert seen == {(s, w) for s in ("v6e-2x4-0", "v6e-2x4-1") for w in ("0", "1")}
+    head = [n for n in ray.nodes() if n["Alive"] and "TPU" not in n["Resources"]]
+    assert len(head) == 1, "the head is a CPU-only node, like a KubeRay head pod"
+
+
+def test_host_processes_see_gke_env(fleet):
+    """A task on a host sees TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY."""
+
+    @ray.remote(num_cpus=0, resources={"TPU-v6e-8-head": 0.001})
+    def env():
+        return {k: os.environ.get(k) for k in
+                ("TPU_NAME", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY")}
+
+    got = ray.get(env.remote(), timeout=60)
+    assert got["TPU_NAME"] in ("v6e-2x4-0", "v6e-2x4-1")
+    assert got["TPU_WORKER_ID"] == "0"
+    assert got["TPU_ACCELERATOR_TYPE"] == "v6e-8"
+    assert got["TPU_TOPOLOGY"] == "2x4"
+
+
+def test_fleet_view(fleet):
+    """The fleet groups its hosts into two intact, free slices."""
+    views = fleet.slices()
+    assert [v.name for v in views] == ["v6e-2x4-0", "v6e-2x4-1"]
+    assert all(v.intact and v.state == "free" and v.chips == 8 for v in views)
+
+
+def test_reserve_both_slices_with_ranked_chip_workers(fleet, slices):
+    """Each slice gets one worker per chip, ranked by (TPU worker id, chip), one JAX world."""
+    a, b = slices
+    assert {a.name, b.name} == {"v6e-2x4-0", "v6e-2x4-1"}
+    for s in (a, b):
+        assert s.num_chips == 8
+        assert [(w.info.worker_id, w.info.chip) for w in s.workers] == [
+            (h, c) for h in range(2) for c in range(4)]
+        assert [w.rank for w in s.workers] == list(range(8))
+        assert len({w.info.pid for w in s.workers}) == 8
+        nodes_by_host = {w.info.worker_id: w.info.node_id for w in s.workers}
+        assert nodes_by_host[0] == fleet.node_ids[f"{s.name}/0"]
+        assert nodes_by_host[1] == fleet.node_ids[f"{s.name}/1"]
+        for rank, world in enumerate(s.world):
+            assert world["process_index"] == rank
+            assert world["device_count"] == 8
+            assert world["platform"] == "cpu"
+    assert all(v.state == "busy" for v in fleet.slices())
+
+
+def test_all_reduce_per_slice(slices):
+    """A real XLA all-reduce over gloo: every chip gets the sum of all chips' values."""
+    a, b = slices
+    got = a.all_reduce([np.full((2, 3), r + 1, np.float32) for r in range(8)])
+    assert len(got) == 8
+    for g in got:
+        np.testing.assert_array_equal(g, np.full((2, 3), 36, np.float32))
+    got = b.all_reduce([np.arange(4, dtype=np.int32) * r for r in range(8)])
+    for g in got:
+        np.testing.assert_array_equal(g, np.arange(4) * 28)
+
+
+def test_status_registry_sees_reserved_slices(slices):
+    """Reserved slices are visible to other processes with their workers' health."""
+    recs = {r["name"]: r for r in list_registered_slices()}
+    assert set(recs) == {s.name for s in slices}
+    for r in recs.values():
+        assert [w["health"] for w in r["workers"]] == ["ok"] * 8
+
+
+def test_reservation_that_cannot_fit_times_out_clearly(slices):
+    """With both slices held, a third reservation fails within its timeout and says why."""
+    with pytest.raises(ReservationTimeout) as exc:
+        Slice.reserve("v6e-2x4", chips_per_host=4, timeout_s=2)
+    text = str(exc.value)
+    assert "v6e 2x4" in text and "v6e-8" in text
+    assert "timeout_s=2" in text and "PATHWAYS_RAY_RESERVE_TIMEOUT_S" in text
+    assert "v6e-2x4-0 (v6e-8, 2x4): busy, 0/8 chips free" in text
+    # A shape the cluster does not have at all fails the same way.
+    with pytest.raises(ReservationTimeout, match="v5p 2x2x2"):
+        Slice.reserve("v5p-2x2x2", timeout_s=2)
+    # Nothing half-reserved is left behind: both slices still show as fully used.
+    views = {v.name: v for v in ray_slices()}
+    assert all(v.chips_free == 0 for v in views.values())
+
+
+def ray_slices():
+    from ray._private.state import available_resources_per_node
+
+    from pathways_ray.cluster import slices_from_nodes
+
+    return slices_from_nodes(ray.nodes(), available_resources_per_node())
+
+
+def test_removing_a_host_kills_exactly_its_workers(fleet, slices):
+    """Killing one emulated host kills the 4 chip workers on it and no other worker."""
+    a, b = slices
+    victim = b.name
+    node_id = fleet.remove_host(victim, 1)
+    assert node_id == fleet.node_ids[f"{victim}/1"]
+    health = dict((w.rank, state) for w, state in b.health(timeout_s=10))
+    assert [health[r] for r in range(4)] == ["ok"] * 4
+    assert [health[r] for r in range(4, 8)] == ["dead"] * 4
+    assert [s for _, s in a.health(timeout_s=10)] == ["ok"] * 8
+    with pytest.raises(WorkerDied, match="TPU worker 1"):
+        b.all_reduce([np.ones(1)] * 8, timeout_s=30)
+    # The other slice keeps working.
+    np.testing.assert_array_equal(a.all_reduce([np.ones(1)] * 8)[0], [8.0])
+    view = {v.name: v for v in fleet.slices()}
+    assert view[victim].state == "degraded" and view[a.name].intact

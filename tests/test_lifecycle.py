@@ -1,0 +1,139 @@
+"""Starting and stopping fleets: the CLI across processes, context exit, Ctrl-C.
+
+Each test checks that every process a fleet started is gone afterwards, found
+by the fleet tag every such process carries in its environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pathways_ray import LocalFleet, Slice
+from tests.conftest import fleet_processes
+
+CLI = [sys.executable, "-m", "pathways_ray.cli"]
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "160"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+@pytest.mark.slow
+def test_cli_up_status_down_with_a_v5p_slice():
+    """`up` leaves a v5p 2x2x2 fleet running for other processes; a driver attaches with
+    the printed settings and runs an all-reduce; `status` shows the held slice's workers;
+    `down` stops every process."""
+    up = run_cli("up", "--slices", "1", "--accelerator", "v5p", "--topology", "2x2x2",
+                 "--name", "tcli")
+    assert up.returncode == 0, up.stderr
+    assert "export RAY_AUTH_MODE=token" in up.stdout
+    assert "v5p-16" in up.stdout
+    state = json.loads((Path(os.environ["PATHWAYS_RAY_DIR"]) / "tcli" / "fleet.json").read_text())
+    try:
+        assert fleet_processes("tcli-"), "the fleet must outlive the `up` process"
+        import ray
+
+        from pathways_ray import Fleet, _auth
+
+        _auth.use_token(Path(state["token_path"]))
+        fleet = Fleet.attach(state["address"])
+        try:
+            (view,) = fleet.slices()
+            assert (view.pod_type, view.topology_name, len(view.hosts)) == ("v5p-16", "2x2x2", 2)
+            with Slice.reserve("v5p-2x2x2", timeout_s=60) as s:
+                assert s.num_chips == 8
+                got = s.all_reduce([np.float64(r) for r in range(8)])
+                assert all(float(g) == 28.0 for g in got)
+                status = run_cli("status", "--name", "tcli")
+                assert status.returncode == 0, status.stderr
+                assert "v5p-16" in status.stdout and "(busy)" in status.stdout
+                assert "ranks 0-3: 4 ok" in status.stdout and "ranks 4-7: 4 ok" in status.stdout
+        finally:
+            fleet.shutdown()
+            assert not ray.is_initialized()
+    finally:
+        down = run_cli("down", "--name", "tcli")
+    assert down.returncode == 0, down.stderr
+    assert "stopped fleet 'tcli'" in down.stdout
+    assert fleet_processes("tcli-") == []
+    assert not (Path(os.environ["PATHWAYS_RAY_DIR"]) / "tcli").exists()
+
+
+@pytest.mark.slow
+def test_context_exit_leaves_no_process_behind():
+    """Leaving the `with` block stops the raylets, agents, workers and chip actors."""
+    with LocalFleet(num_slices=1, accelerator="v6e", topology="2x2", name="tctx") as fleet:
+        fleet_id = fleet.fleet_id
+        s = Slice.reserve("v6e-2x2", timeout_s=60)
+        assert s.topology.is_single_host and s.num_chips == 4
+        assert len({w.info.node_id for w in s.workers}) == 1, "a single-host slice is one host"
+        assert len(fleet_processes(fleet_id)) >= 4 + 4  # head + host processes + chip actors
+    assert fleet_processes(fleet_id) == []
+    assert not fleet.dir.exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_starting_stops_everything():
+    """SIGINT to `pathways-ray up` mid-start stops what it had started."""
+    env = {**os.environ}
+    proc = subprocess.Popen(CLI + ["up", "--slices", "1", "--name", "tint"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    head_log = Path(os.environ["PATHWAYS_RAY_DIR"]) / "tint" / "head" / "ray-start.log"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (
+        head_log.exists() and "Ray runtime started" in head_log.read_text(errors="replace")
+    ):
+        time.sleep(0.2)
+    assert fleet_processes("tint-"), "the head should be running by now"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted" in err
+    assert fleet_processes("tint-") == []
+
+
+@pytest.mark.parametrize(
+    "args,code,text",
+    [
+        (["up", "--topology", "3x3"], 2, "topology='3x3' is not a v6e slice shape"),
+        (["up", "--slices", "0"], 2, "'0' must be 1 or more"),
+        (["up", "--accelerator", "v9"], 2, "accelerator='v9' is not a known TPU generation"),
+        (["demo", "--accelerator", "v5p", "--topology", "4x4"], 2, "AxBxC (3D)"),
+        (["status", "--name", "nope"], 1, "no local fleet is running"),
+        (["frobnicate"], 2, "invalid choice"),
+    ],
+)
+def test_cli_rejects_bad_input_clearly(args, code, text):
+    """Bad flags exit non-zero with a message naming the value and the fix."""
+    result = run_cli(*args, timeout=60)
+    assert result.returncode == code, result
+    assert text in (result.stderr + result.stdout).replace("\n", " ")
+
+
+def test_down_with_nothing_running():
+    """`down` with no fleet says so and succeeds."""
+    result = run_cli("down", timeout=60)
+    assert result.returncode == 0 and "no local fleet is running" in result.stdout
+
+
+def test_cli_topology_defaults():
+    """A generation alone defaults to 2x4; a pod type implies its own shape."""
+    from pathways_ray.cli import _topology, build_parser
+
+    parse = build_parser().parse_args
+    assert _topology(parse(["up"])).name == "2x4"
+    assert _topology(parse(["up", "--accelerator", "v6e-16"])).name == "4x4"
+    assert _topology(parse(["up", "--accelerator", "v5p", "--topology", "2x2x2"])).num_hosts == 2
+    assert _topology(parse(["up", "--chips-per-host", "4"])).num_hosts == 2

@@ -1,0 +1,55 @@
+"""Rank order and per-chip JAX/libtpu environment (pure)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pathways_ray.worker_env import ChipInfo, cpu_env, rank_order, tpu_multiprocess_env
+
+
+def info(worker_id, chip, pid=0):
+    return ChipInfo("s", worker_id, chip, f"n{worker_id}", "10.0.0.1", pid, "cpu")
+
+
+def test_rank_is_worker_id_then_chip_not_bundle_order():
+    """Ranks follow (TPU worker id, chip index) whatever order the bundles came in."""
+    infos = [info(w, c) for w in range(2) for c in range(4)]
+    random.Random(0).shuffle(infos)
+    ordered = [infos[i] for i in rank_order(infos)]
+    assert [(i.worker_id, i.chip) for i in ordered] == [(w, c) for w in range(2) for c in range(4)]
+
+
+def test_two_workers_on_one_chip_is_an_error():
+    """Two workers claiming the same chip is reported with both pids."""
+    with pytest.raises(ValueError, match="pids 1 and 2"):
+        rank_order([info(0, 0, pid=1), info(0, 0, pid=2)])
+
+
+def test_cpu_env_replaces_inherited_device_count():
+    """An inherited --xla_force_host_platform_device_count=8 becomes 1; other flags stay."""
+    env = cpu_env({"XLA_FLAGS": "--xla_dump_to=/x --xla_force_host_platform_device_count=8"})
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/x",
+                                        "--xla_force_host_platform_device_count=1"]
+    assert cpu_env({})["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+
+
+def test_tpu_multiprocess_env():
+    """One process per chip: 1,1,1 chips per process in a process grid shaped like the slice."""
+    addrs = [f"10.0.0.{i // 4}:{8470 + i}" for i in range(16)]
+    env = tpu_multiprocess_env(rank=5, chip=1, process_addresses=addrs, slice_shape=(4, 4))
+    assert env["TPU_PROCESS_BOUNDS"] == "4,4,1"
+    assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1"
+    assert env["CLOUD_TPU_TASK_ID"] == "5"
+    assert env["TPU_PROCESS_PORT"] == "8475"
+    assert env["TPU_VISIBLE_CHIPS"] == "1"
+    assert env["TPU_PROCESS_ADDRESSES"].split(",") == addrs
+    # Ray's 1-chip host bounds must be unset (empty means unset).
+    assert env["TPU_HOST_BOUNDS"] == "" and env["TPU_CHIPS_PER_HOST_BOUNDS"] == ""
+    env3 = tpu_multiprocess_env(rank=0, chip=0, process_addresses=addrs[:8],
+                                slice_shape=(2, 2, 2))
+    assert env3["TPU_PROCESS_BOUNDS"] == "2,2,2"
+    with pytest.raises(ValueError, match="rank=8"):
+        tpu_multiprocess_env(rank=8, chip=0, process_addresses=addrs[:8], slice_shape=(2, 4))
