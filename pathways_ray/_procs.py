@@ -1,11 +1,14 @@
 """Finding and stopping the processes an emulated fleet started.
 
-Every process the fleet starts carries ``PATHWAYS_RAY_FLEET=<fleet id>`` in its
-environment, and every process of one emulated host also carries
-``PATHWAYS_RAY_HOST=<slice>/<worker id>``. Children inherit both — raylets,
-agents, Ray workers and chip actors alike — so we find every process that
-belongs to a fleet or a host even after it was re-parented or moved to its own
-session, and never touch another cluster's processes.
+Each ``ray start`` is launched as the leader of a new session, so every
+process it starts — GCS, raylet, agents, Ray workers, chip actors — stays in
+that session (Unix session id = the ``ray start`` pid), even after it is
+re-parented to init. A fleet records its session ids and stops everything in
+them. As a second net, every process also carries ``PATHWAYS_RAY_FLEET=<id>``
+(and ``PATHWAYS_RAY_HOST=<slice>/<worker>``) in its environment; that catches
+a process that started a session of its own. The environment alone is not
+enough: processes that rename themselves with ``setproctitle`` (Ray's
+dashboard and runtime-env agents) overwrite it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Collection
 
 import psutil
 
@@ -23,17 +27,35 @@ HOST_ENV = "PATHWAYS_RAY_HOST"
 logger = logging.getLogger(__name__)
 
 
-def find(env_key: str, value: str) -> list[psutil.Process]:
-    """Processes whose environment has ``env_key=value`` (this process excluded)."""
+def _looks_like_ray(proc: psutil.Process) -> bool:
+    try:
+        text = " ".join(proc.cmdline()) or proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    return "ray" in text.lower() or "gcs_server" in text
+
+
+def find(env_key: str, value: str, sessions: Collection[int] = ()) -> list[psutil.Process]:
+    """Live processes in one of ``sessions``, or tagged ``env_key=value``.
+
+    A session match also requires a Ray-looking command line, so a recycled
+    session id can never make us touch an unrelated program.
+    """
     me = os.getpid()
+    sessions = set(sessions)
     found = []
     for proc in psutil.process_iter(["pid"]):
         if proc.pid == me:
             continue
         try:
-            if proc.environ().get(env_key) == value and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if sessions and os.getsid(proc.pid) in sessions and _looks_like_ray(proc):
                 found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            elif proc.environ().get(env_key) == value:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess,
+                ProcessLookupError, PermissionError):
             continue
     return found
 
@@ -56,15 +78,16 @@ def kill(procs: list[psutil.Process], *, grace_s: float, sig: int = signal.SIGTE
         logger.warning("process %s survived SIGKILL", p.pid)
 
 
-def kill_all(env_key: str, value: str, *, grace_s: float, sig: int = signal.SIGTERM) -> int:
-    """Stop every process tagged ``env_key=value``; repeat until none is left.
+def kill_all(env_key: str, value: str, sessions: Collection[int] = (), *, grace_s: float,
+             sig: int = signal.SIGTERM) -> int:
+    """Stop every process of ``sessions`` or tagged ``env_key=value``, until none is left.
 
     Repeats because a dying raylet may still spawn a worker in the meantime.
     Returns how many processes were stopped.
     """
     total = 0
     for _ in range(5):
-        procs = find(env_key, value)
+        procs = find(env_key, value, sessions)
         if not procs:
             break
         total += len(procs)
@@ -72,10 +95,11 @@ def kill_all(env_key: str, value: str, *, grace_s: float, sig: int = signal.SIGT
     return total
 
 
-def wait_gone(env_key: str, value: str, timeout_s: float) -> list[psutil.Process]:
+def wait_gone(env_key: str, value: str, sessions: Collection[int] = (),
+              timeout_s: float = 5.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout_s
     while True:
-        left = find(env_key, value)
+        left = find(env_key, value, sessions)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)

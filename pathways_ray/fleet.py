@@ -170,6 +170,11 @@ class _State:
     dashboard_url: str | None
     slices: list[dict] = field(default_factory=list)
     created: float = 0.0
+    # host key ("head" or "<slice>/<worker id>") -> Unix session ids of its `ray start`s
+    sessions: dict[str, list[int]] = field(default_factory=dict)
+
+    def all_sessions(self) -> list[int]:
+        return [sid for sids in self.sessions.values() for sid in sids]
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -243,6 +248,7 @@ class LocalFleet(Fleet):
         self.address = ""
         self.dashboard_url: str | None = None
         self.node_ids: dict[str, str] = {}  # host key -> Ray node id
+        self._state: _State | None = None
         self._started = False
 
     # ---- lifecycle --------------------------------------------------------
@@ -253,7 +259,7 @@ class LocalFleet(Fleet):
         state_file = self.dir / "fleet.json"
         if state_file.exists():
             old = _State.read(state_file)
-            if _procs.find(_procs.FLEET_ENV, old.fleet_id):
+            if _procs.find(_procs.FLEET_ENV, old.fleet_id, old.all_sessions()):
                 raise FleetError(
                     f"a fleet named {self.name!r} is already running at {old.address}; "
                     f"stop it with `pathways-ray down --name {self.name}` or pick another name="
@@ -262,6 +268,19 @@ class LocalFleet(Fleet):
         self.dir.mkdir(parents=True)
         _auth.write_token(self.token_path)
         self.fleet_id = f"{self.name}-{uuid.uuid4().hex[:8]}"
+        self._state = _State(
+            name=self.name,
+            fleet_id=self.fleet_id,
+            address="",
+            token_path=str(self.token_path),
+            dashboard_url=None,
+            slices=[
+                {"name": n, "topology": str(t), "chips_per_host": t.chips_per_host}
+                for n, t in self.slice_names().items()
+            ],
+            created=time.time(),
+        )
+        self._state.write(state_file)
         self._started = True
         if not self.detach:
             atexit.register(self.shutdown)
@@ -281,11 +300,13 @@ class LocalFleet(Fleet):
                 dash_port = _free_port()
                 head_args += [f"--dashboard-port={dash_port}", "--dashboard-host=127.0.0.1"]
             progress("starting head node", 0, total)
-            head = self._spawn("head", head_args, {})
+            head = self._spawn("head", "head", head_args, {})
             self._wait_started([("head", head)], t0)
             self.address = f"{self._node_ip()}:{port}"
             if self.dashboard:
                 self.dashboard_url = f"http://127.0.0.1:{dash_port}"
+            self._state.address, self._state.dashboard_url = self.address, self.dashboard_url
+            self._state.write(state_file)
             progress("head node up", 1, total)
             procs = []
             for i, plan in enumerate(self.hosts):
@@ -295,20 +316,8 @@ class LocalFleet(Fleet):
                     f"--resources={json.dumps(plan.resources)}",
                 ]
                 env = {**plan.env, _procs.HOST_ENV: plan.key}
-                procs.append((plan.key, self._spawn(f"host{i}", args, env)))
+                procs.append((plan.key, self._spawn(f"host{i}", plan.key, args, env)))
             self._wait_started(procs, t0, progress=progress, offset=1, total=total)
-            _State(
-                name=self.name,
-                fleet_id=self.fleet_id,
-                address=self.address,
-                token_path=str(self.token_path),
-                dashboard_url=self.dashboard_url,
-                slices=[
-                    {"name": n, "topology": str(t), "chips_per_host": t.chips_per_host}
-                    for n, t in self.slice_names().items()
-                ],
-                created=time.time(),
-            ).write(state_file)
             if self.connect:
                 _auth.use_token(self.token_path)
                 _ensure_connected(self.address)
@@ -333,7 +342,7 @@ class LocalFleet(Fleet):
                 ray.shutdown()
         except Exception:  # noqa: BLE001 - shutting down regardless
             logger.exception("ray.shutdown() failed; stopping the processes anyway")
-        stop_fleet_processes(self.fleet_id)
+        stop_fleet_processes(self._state)
         shutil.rmtree(self.dir, ignore_errors=True)
         try:
             atexit.unregister(self.shutdown)
@@ -368,8 +377,8 @@ class LocalFleet(Fleet):
         """
         plan = self._plan(slice_name, worker_id)
         node_id = self.node_ids.get(plan.key, "")
-        killed = _procs.kill_all(_procs.HOST_ENV, plan.key, grace_s=0,
-                                 sig=_procs.signal.SIGKILL)
+        killed = _procs.kill_all(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key),
+                                 grace_s=0, sig=_procs.signal.SIGKILL)
         if not killed:
             raise FleetError(f"host {plan.key} has no running processes; was it already removed?")
         logger.warning("removed emulated host %s (node %s, %d processes)", plan.key,
@@ -381,12 +390,12 @@ class LocalFleet(Fleet):
     def restore_host(self, slice_name: str, worker_id: int, timeout_s: float = 60.0) -> str:
         """Start a fresh raylet for a removed host (a replacement VM). Returns its node id."""
         plan = self._plan(slice_name, worker_id)
-        if _procs.find(_procs.HOST_ENV, plan.key):
+        if _procs.find(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key)):
             raise FleetError(f"host {plan.key} is still running; remove_host() it first")
         i = self.hosts.index(plan)
         args = [f"--address={self.address}", f"--num-cpus={plan.num_cpus}",
                 f"--resources={json.dumps(plan.resources)}"]
-        proc = self._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", args,
+        proc = self._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", plan.key, args,
                            {**plan.env, _procs.HOST_ENV: plan.key})
         self._wait_started([(plan.key, proc)], time.monotonic(), timeout_s=timeout_s)
         if self.connect:
@@ -403,7 +412,12 @@ class LocalFleet(Fleet):
             + ", ".join(p.key for p in self.hosts)
         )
 
-    def _spawn(self, tag: str, args: list[str], extra_env: dict[str, str]) -> subprocess.Popen:
+    def _host_sessions(self, key: str) -> list[int]:
+        return list(self._state.sessions.get(key, [])) if self._state else []
+
+    def _spawn(self, tag: str, key: str, args: list[str],
+               extra_env: dict[str, str]) -> subprocess.Popen:
+        """Run `ray start` as the leader of a new session, recorded under host ``key``."""
         temp_dir = self.dir / tag
         temp_dir.mkdir(parents=True, exist_ok=True)
         env = {
@@ -437,6 +451,8 @@ class LocalFleet(Fleet):
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         proc.log_path = log_path  # type: ignore[attr-defined]
+        self._state.sessions.setdefault(key, []).append(proc.pid)
+        self._state.write(self.dir / "fleet.json")
         return proc
 
     def _wait_started(self, procs, t0: float, *, progress: ProgressFn | None = None,
@@ -519,14 +535,15 @@ def _as_topology(s: Topology | str) -> Topology:
     )
 
 
-def stop_fleet_processes(fleet_id: str, grace_s: float = 5.0) -> int:
-    """Stop every process that belongs to ``fleet_id``; returns how many there were."""
-    if not fleet_id:
+def stop_fleet_processes(state: _State | None, grace_s: float = 5.0) -> int:
+    """Stop every process of a fleet (its sessions and its tag); returns how many."""
+    if state is None:
         return 0
-    n = _procs.kill_all(_procs.FLEET_ENV, fleet_id, grace_s=grace_s)
-    left = _procs.wait_gone(_procs.FLEET_ENV, fleet_id, timeout_s=5)
+    sessions = state.all_sessions()
+    n = _procs.kill_all(_procs.FLEET_ENV, state.fleet_id, sessions, grace_s=grace_s)
+    left = _procs.wait_gone(_procs.FLEET_ENV, state.fleet_id, sessions, timeout_s=5)
     if left:
-        raise FleetError(f"processes {[p.pid for p in left]} of fleet {fleet_id} survived")
+        raise FleetError(f"processes {[p.pid for p in left]} of fleet {state.fleet_id} survived")
     return n
 
 
@@ -541,7 +558,7 @@ def running_fleets() -> list[_State]:
             state = _State.read(state_file)
         except (OSError, ValueError, TypeError):
             continue
-        if _procs.find(_procs.FLEET_ENV, state.fleet_id):
+        if _procs.find(_procs.FLEET_ENV, state.fleet_id, state.all_sessions()):
             out.append(state)
     return out
 
@@ -552,6 +569,6 @@ def stop_local_fleet(name: str) -> int:
     if not state_file.exists():
         raise FleetError(f"no local fleet named {name!r} (looked for {state_file})")
     state = _State.read(state_file)
-    n = stop_fleet_processes(state.fleet_id)
+    n = stop_fleet_processes(state)
     shutil.rmtree(state_file.parent, ignore_errors=True)
     return n

@@ -24,18 +24,44 @@ def _fleet_dir():
     shutil.rmtree(_DIR, ignore_errors=True)
 
 
-def fleet_processes(fleet_id_prefix: str = "") -> list:
-    """Live processes started by any fleet whose id starts with ``fleet_id_prefix``."""
+def ray_processes() -> set[int]:
+    """Pids of every Ray-looking process on the machine (not this one).
+
+    Matches by command line, not by environment: Ray's agents rename
+    themselves with setproctitle, which wipes their /proc environ.
+    """
     import psutil
 
-    from pathways_ray import _procs
+    from pathways_ray._procs import _looks_like_ray
 
-    found = []
+    me = os.getpid()
+    out = set()
     for proc in psutil.process_iter(["pid"]):
         try:
-            tag = proc.environ().get(_procs.FLEET_ENV)
-            if tag and tag.startswith(fleet_id_prefix) and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if proc.pid != me and proc.status() != psutil.STATUS_ZOMBIE and _looks_like_ray(proc):
+                out.add(proc.pid)
+        except psutil.Error:
             continue
-    return found
+    return out
+
+
+def leftovers(before: set[int], timeout_s: float = 10.0) -> list[str]:
+    """Ray processes that appeared since ``before`` and are still alive after ``timeout_s``."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        new = ray_processes() - before
+        if not new or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out = []
+    for pid in sorted(new):
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            continue
+    return out

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import ray
 
-from pathways_ray import LocalFleet, ReservationTimeout, Slice, WorkerDied
+from pathways_ray import LocalFleet, ReservationTimeout, Slice, WorkerDied, _procs
 from pathways_ray.slice import list_registered_slices
 
 pytestmark = pytest.mark.slow
@@ -162,6 +162,9 @@ def test_removing_a_host_kills_exactly_its_workers(fleet, slices):
     victim = b.name
     node_id = fleet.remove_host(victim, 1)
     assert node_id == fleet.node_ids[f"{victim}/1"]
+    key = f"{victim}/1"
+    assert _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key)) == [], (
+        "the host's raylet and agents die with it")
     health = dict((w.rank, state) for w, state in b.health(timeout_s=10))
     assert [health[r] for r in range(4)] == ["ok"] * 4
     assert [health[r] for r in range(4, 8)] == ["dead"] * 4

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pathways_ray import LocalFleet, Slice
-from tests.conftest import fleet_processes
+from tests.conftest import leftovers, ray_processes
 
 CLI = [sys.executable, "-m", "pathways_ray.cli"]
 
@@ -35,6 +35,7 @@ def test_cli_up_status_down_with_a_v5p_slice():
     """`up` leaves a v5p 2x2x2 fleet running for other processes; a driver attaches with
     the printed settings and runs an all-reduce; `status` shows the held slice's workers;
     `down` stops every process."""
+    before = ray_processes()
     up = run_cli("up", "--slices", "1", "--accelerator", "v5p", "--topology", "2x2x2",
                  "--name", "tcli")
     assert up.returncode == 0, up.stderr
@@ -42,7 +43,7 @@ def test_cli_up_status_down_with_a_v5p_slice():
     assert "v5p-16" in up.stdout
     state = json.loads((Path(os.environ["PATHWAYS_RAY_DIR"]) / "tcli" / "fleet.json").read_text())
     try:
-        assert fleet_processes("tcli-"), "the fleet must outlive the `up` process"
+        assert ray_processes() - before, "the fleet must outlive the `up` process"
         import ray
 
         from pathways_ray import Fleet, _auth
@@ -67,20 +68,22 @@ def test_cli_up_status_down_with_a_v5p_slice():
         down = run_cli("down", "--name", "tcli")
     assert down.returncode == 0, down.stderr
     assert "stopped fleet 'tcli'" in down.stdout
-    assert fleet_processes("tcli-") == []
+    assert leftovers(before) == []
     assert not (Path(os.environ["PATHWAYS_RAY_DIR"]) / "tcli").exists()
 
 
 @pytest.mark.slow
 def test_context_exit_leaves_no_process_behind():
     """Leaving the `with` block stops the raylets, agents, workers and chip actors."""
+    before = ray_processes()
     with LocalFleet(num_slices=1, accelerator="v6e", topology="2x2", name="tctx") as fleet:
-        fleet_id = fleet.fleet_id
         s = Slice.reserve("v6e-2x2", timeout_s=60)
         assert s.topology.is_single_host and s.num_chips == 4
         assert len({w.info.node_id for w in s.workers}) == 1, "a single-host slice is one host"
-        assert len(fleet_processes(fleet_id)) >= 4 + 4  # head + host processes + chip actors
-    assert fleet_processes(fleet_id) == []
+        started = ray_processes() - before
+        chip_pids = {w.info.pid for w in s.workers}
+        assert chip_pids <= started and len(started) >= 4 + 6  # chips, head and host daemons
+    assert leftovers(before) == []
     assert not fleet.dir.exists()
 
 
@@ -88,20 +91,21 @@ def test_context_exit_leaves_no_process_behind():
 def test_ctrl_c_while_starting_stops_everything():
     """SIGINT to `pathways-ray up` mid-start stops what it had started."""
     env = {**os.environ}
+    before = ray_processes()
     proc = subprocess.Popen(CLI + ["up", "--slices", "1", "--name", "tint"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     head_log = Path(os.environ["PATHWAYS_RAY_DIR"]) / "tint" / "head" / "ray-start.log"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (
         head_log.exists() and "Ray runtime started" in head_log.read_text(errors="replace")
     ):
         time.sleep(0.2)
-    assert fleet_processes("tint-"), "the head should be running by now"
+    assert ray_processes() - before - {proc.pid}, "the head should be running by now"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (out, err)
     assert "interrupted" in err
-    assert fleet_processes("tint-") == []
+    assert leftovers(before | {proc.pid}) == []
 
 
 @pytest.mark.parametrize(
