@@ -88,7 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
                           "all-reduce on each, print the status table and shut down.")
     _fleet_args(demo)
     demo.set_defaults(chips_per_host=4)  # multi-host slices: 2 hosts x 4 chips per v6e 2x4
+    _add_plugins(sub)
     return parser
+
+
+def _add_plugins(sub) -> None:
+    """Commands of the optional parts (e.g. ``k8s`` from pathways_ray.kuberay).
+
+    They register through the ``pathways_ray.commands`` entry point group, so the
+    core never imports them.
+    """
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="pathways_ray.commands"):
+        try:
+            register = ep.load()
+        except ImportError as e:  # an extra's dependency is missing
+            logging.getLogger(__name__).debug("command %s unavailable: %s", ep.name, e)
+            continue
+        COMMANDS.update(register(sub))
 
 
 def cmd_up(args) -> int:

@@ -1,0 +1,74 @@
+"""The checked-in samples in ``kuberay/samples/``, and how to re-render them.
+
+    python -m pathways_ray.kuberay.samples [kuberay/samples]
+
+A test re-renders every sample and fails on any difference, so the files
+always show what the generators produce.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .manifests import (
+    ClusterConfig,
+    openai_serve_config,
+    ray_cluster,
+    ray_job,
+    ray_service,
+    to_yaml,
+)
+
+IMAGE = "us-docker.pkg.dev/my-project/pathways-ray/pathways-ray:0.1.0-py311"
+
+SAMPLES: dict[str, Callable[[], dict]] = {
+    "ray-cluster.v6e-2x4-single-host.yaml": lambda: ray_cluster(
+        ClusterConfig(name="pathways-v6e-8", accelerator="v6e", topology="2x4", image=IMAGE)
+    ),
+    "ray-cluster.v6e-4x4-multi-host.yaml": lambda: ray_cluster(
+        ClusterConfig(name="pathways-v6e-16", accelerator="v6e", topology="4x4", image=IMAGE)
+    ),
+    "ray-cluster.v5p-2x2x2-multi-slice.yaml": lambda: ray_cluster(
+        ClusterConfig(name="pathways-v5p-16x2", accelerator="v5p", topology="2x2x2",
+                      num_slices=2, min_slices=1, max_slices=4, image=IMAGE)
+    ),
+    "ray-job.v6e-4x4-train-jax-lm.yaml": lambda: ray_job(
+        ClusterConfig(name="train-jax-lm", accelerator="v6e", topology="4x4", image=IMAGE),
+        "python examples/train_jax_lm.py",
+        runtime_env={"working_dir": "https://github.com/my-org/pathways-ray/archive/main.zip"},
+    ),
+    "ray-service.v6e-4x4-llm.yaml": lambda: _service(),
+}
+
+
+def _service() -> dict:
+    cfg = ClusterConfig(name="llm-v6e-16", accelerator="v6e", topology="4x4",
+                        image="us-docker.pkg.dev/my-project/pathways-ray/vllm-tpu:0.1.0-py312",
+                        env={"VLLM_XLA_CACHE_PATH": "/tmp/vllm-xla-cache"})
+    return ray_service(cfg, openai_serve_config(cfg, model_id="Qwen/Qwen3-30B-A3B",
+                                                max_model_len=8192, enable_expert_parallel=True))
+
+
+HEADER = "# Rendered by `python -m pathways_ray.kuberay.samples`; edit kuberay/samples.py.\n"
+
+
+def render(name: str) -> str:
+    return HEADER + to_yaml(SAMPLES[name]())
+
+
+def write_all(directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in SAMPLES:
+        path = directory / name
+        path.write_text(render(name))
+        out.append(path)
+    return out
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "samples"
+    for p in write_all(target):
+        print(p)
