@@ -16,6 +16,7 @@ import time
 import numpy as np
 import ray
 
+from pathways_ray.executor import Executor
 from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class ChipWorker:
         self.rank: int | None = None
         self._mesh = None
         self._reducers: dict = {}
+        self.executor: Executor | None = None
 
     # ---- placement ---------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -113,6 +115,7 @@ class ChipWorker:
 
         self.rank = rank
         self._mesh = Mesh(np.array(jax.devices()), ("chips",))
+        self.executor = Executor(rank, resolve=ray.get)
         local = jax.local_devices()
         if len(local) != 1:
             raise RuntimeError(
@@ -152,6 +155,27 @@ class ChipWorker:
         )
         out = self._reducers[key](global_x)
         return np.asarray(out.addressable_data(0))
+
+    # ---- programs and arrays (see executor.py) -------------------------------------
+    def run_batch(self, commands: list[tuple]) -> int:
+        """Run commands in order; failures are recorded on their outputs, not raised."""
+        self.executor.run(commands)
+        return self.executor.commands_run
+
+    def shard(self, buffer_id: int) -> np.ndarray:
+        """This chip's shard of a buffer (raises the remote error of a failed buffer)."""
+        return self.executor.local_shard(buffer_id)
+
+    def ready(self, buffer_ids: list[int]) -> bool:
+        """True once the buffers are computed; raises the remote error if one failed."""
+        self.executor.ready(buffer_ids)
+        return True
+
+    @ray.method(concurrency_group="control")
+    def stats(self) -> dict:
+        ex = self.executor
+        return {"buffers": len(ex.buffers), "programs": len(ex.programs),
+                "commands": ex.commands_run} if ex else {}
 
     def shutdown_world(self) -> None:
         if self._mesh is not None:

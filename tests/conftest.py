@@ -16,6 +16,10 @@ import pytest
 
 _DIR = tempfile.mkdtemp(prefix="pwr-", dir="/tmp")
 os.environ["PATHWAYS_RAY_DIR"] = _DIR
+# The test process is the reference single-process JAX run: 8 fake CPU devices. Chip
+# workers started by fleets inherit this and must still each get exactly one device.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,168 @@
+"""The single controller: a Ray actor that owns the slices and forwards work to them.
+
+It reserves slices (``Slice.reserve``), keeps the program registry (each
+program's bytes arrive once and are loaded onto a slice the first time that
+slice runs it) and the array registry (which buffer ids live on which slice),
+and forwards command batches to every chip worker of a slice. It never holds
+array bytes: device_put data, fetched shards and cross-slice transfers move
+between the client and the workers, or worker to worker, as object refs it
+only passes along.
+
+Order: the controller is the only caller of the chip workers' command methods,
+and Ray runs one caller's calls to an actor in order, so every worker of a
+slice sees the same command sequence, and a fetch follows the commands that
+produced its buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from pathways_ray.sharding import MeshShape, shard_slices, unique_shards
+from pathways_ray.slice import Slice
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Controller"]
+
+
+class Controller:
+    """Create with ``ray.remote(Controller)``; the client talks to it."""
+
+    def __init__(self, slices: list | None = None, reserve_timeout_s: float = 120.0,
+                 max_inflight: int = 8):
+        import ray
+        from ray._private.state import available_resources_per_node
+
+        from pathways_ray.cluster import slices_from_nodes
+
+        if slices is None:
+            free = [v for v in slices_from_nodes(ray.nodes(), available_resources_per_node())
+                    if v.idle and v.topology is not None]
+            slices = [v.topology for v in free]
+            if not slices:
+                raise RuntimeError("no free TPU slice in the cluster to reserve")
+        self.slices: dict[str, Slice] = {}
+        try:
+            for spec in slices:
+                s = Slice.reserve(spec, timeout_s=reserve_timeout_s)
+                self.slices[s.name] = s
+        except BaseException:
+            self.shutdown()
+            raise
+        self.programs: dict[str, bytes] = {}
+        self.loaded: dict[str, set[str]] = {name: set() for name in self.slices}
+        self.arrays: dict[str, set[int]] = {name: set() for name in self.slices}
+        self.loads_sent: dict[str, int] = {name: 0 for name in self.slices}
+        self._inflight: dict[str, deque] = {name: deque() for name in self.slices}
+        self.max_inflight = max_inflight
+
+    # ---- what the client asks ------------------------------------------------
+    def describe(self) -> list[dict]:
+        return [{"name": s.name, "topology": str(s.topology), "chips": s.num_chips,
+                 "chips_per_host": s.topology.chips_per_host,
+                 "workers": [(w.rank, w.info.worker_id, w.info.chip) for w in s.workers]}
+                for s in self.slices.values()]
+
+    def register_program(self, fingerprint: str, blob: bytes) -> None:
+        self.programs.setdefault(fingerprint, blob)
+
+    def submit(self, slice_name: str, commands: list[tuple]) -> None:
+        """Forward a batch of commands to every chip of a slice (one call per worker)."""
+        import ray
+
+        s = self._slice(slice_name)
+        batch = []
+        live = self.arrays[slice_name]
+        for cmd in commands:
+            op = cmd[0]
+            if op == "run":
+                fp = cmd[1]
+                if fp not in self.loaded[slice_name]:
+                    batch.append(("load", fp, self.programs[fp]))
+                    self.loaded[slice_name].add(fp)
+                    self.loads_sent[slice_name] += 1
+                live.update(cmd[3])
+            elif op in ("put",):
+                live.add(cmd[1])
+            elif op == "reshard":
+                live.add(cmd[2])
+            elif op == "free":
+                live.difference_update(cmd[1])
+            batch.append(cmd)
+        inflight = self._inflight[slice_name]
+        refs = [w.handle.run_batch.remote(batch) for w in s.workers]
+        inflight.append(refs[0])
+        # Backpressure: a client that issues work faster than the slice runs it waits here.
+        while len(inflight) > self.max_inflight:
+            ray.wait([inflight.popleft()], timeout=600)
+
+    def shard_refs(self, slice_name: str, buffer_id: int, ranks: list[int]) -> list:
+        """Object refs of the given ranks' shards (fetched by the client, not by us)."""
+        s = self._slice(slice_name)
+        return [s.workers[r].handle.shard.remote(buffer_id) for r in ranks]
+
+    def ready(self, slice_name: str, buffer_ids: list[int]) -> list:
+        s = self._slice(slice_name)
+        return [w.handle.ready.remote(buffer_ids) for w in s.workers]
+
+    def transfer(self, src: str, src_id: int, shape, dtype: str, src_mesh: MeshShape, src_spec,
+                 dst: str, dst_id: int, dst_mesh: MeshShape, dst_spec) -> None:
+        """Copy an array to another slice, shard by shard, worker to worker.
+
+        Each unique source shard becomes one object ref (the source worker's
+        ``shard`` result); each destination chip gets the refs that overlap its
+        block and assembles it. Only refs pass through here.
+        """
+        src_slice = self._slice(src)
+        self._slice(dst)
+        src_index = shard_slices(shape, src_mesh, src_spec)
+        firsts = sorted(set(unique_shards(src_index)))
+        src_refs = {r: src_slice.workers[r].handle.shard.remote(src_id) for r in firsts}
+        pieces = []
+        for index in shard_slices(shape, dst_mesh, dst_spec):
+            mine = [(src_refs[r], src_index[r]) for r in firsts
+                    if all(a.start < b.stop and b.start < a.stop
+                           for a, b in zip(index, src_index[r], strict=True))]
+            pieces.append(mine)
+        self.submit(dst, [("put", dst_id, tuple(shape), dtype, dst_spec, dst_mesh, pieces)])
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def stats(self) -> dict:
+        import ray
+
+        out = {}
+        for name, s in self.slices.items():
+            workers = ray.get([w.handle.stats.remote() for w in s.workers], timeout=60)
+            out[name] = {"live_arrays": len(self.arrays[name]), "programs_loaded":
+                         len(self.loaded[name]), "loads_sent": self.loads_sent[name],
+                         "workers": workers}
+        return out
+
+    def drain(self, timeout_s: float = 600.0) -> None:
+        """Wait until every forwarded batch has run."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        for name, inflight in self._inflight.items():
+            refs = [w.handle.run_batch.remote([]) for w in self.slices[name].workers]
+            ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
+            inflight.clear()
+
+    def shutdown(self) -> None:
+        for s in self.slices.values():
+            s.shutdown()
+        self.slices.clear()
+
+    def _slice(self, name: str) -> Slice:
+        try:
+            return self.slices[name]
+        except KeyError:
+            raise ValueError(f"slice={name!r} is not held by this controller; it holds "
+                             f"{sorted(self.slices)}") from None

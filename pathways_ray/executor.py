@@ -1,0 +1,202 @@
+"""What a chip worker does with the commands the controller sends it.
+
+Every worker of a slice receives the same commands in the same order and runs
+them one after another, so every chip issues the same collectives in the same
+sequence. Commands are plain tuples:
+
+    ("load", fingerprint, blob)                    deserialize + jit once, cached
+    ("put", id, shape, dtype, spec, mesh, pieces)  this chip's shard from object refs
+    ("run", fingerprint, in_ids, out_ids)          run a program on global arrays
+    ("reshard", src_id, dst_id, spec, mesh)        same slice, another sharding
+    ("free", ids)                                   drop buffers
+
+An exception inside a command does not stop the worker: the command's
+outputs are marked failed with the remote traceback, later commands that use
+them fail the same way, and the error surfaces when the client fetches.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pathways_ray.sharding import MeshShape, Spec, shard_slices
+
+__all__ = ["Executor", "Failed", "assemble"]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A buffer whose producing command raised."""
+
+    command: str
+    traceback: str
+
+
+def assemble(index: tuple[slice, ...], dtype: str,
+             pieces: list[tuple[tuple[slice, ...], np.ndarray]]) -> np.ndarray:
+    """Build the block ``index`` of an array from pieces that cover it."""
+    shape = tuple(s.stop - s.start for s in index)
+    out = np.empty(shape, dtype=dtype)
+    covered = 0
+    for piece_index, data in pieces:
+        lo = [max(a.start, b.start) for a, b in zip(index, piece_index, strict=True)]
+        hi = [min(a.stop, b.stop) for a, b in zip(index, piece_index, strict=True)]
+        if any(low >= high for low, high in zip(lo, hi, strict=True)):
+            continue
+        dst = tuple(slice(low - a.start, high - a.start)
+                    for low, high, a in zip(lo, hi, index, strict=True))
+        src = tuple(slice(low - b.start, high - b.start)
+                    for low, high, b in zip(lo, hi, piece_index, strict=True))
+        out[dst] = data[src]
+        covered += int(np.prod([high - low for low, high in zip(lo, hi, strict=True)]))
+    if covered < out.size:
+        raise ValueError(f"pieces cover {covered} of the {out.size} elements of block {index}")
+    return out
+
+
+class Executor:
+    """The buffer table and program cache of one chip, in one JAX world."""
+
+    def __init__(self, rank: int, resolve: Callable[[list], list]):
+        self.rank = rank
+        self._resolve = resolve  # object refs -> values (ray.get on a worker)
+        self.buffers: dict[int, object] = {}
+        self.programs: dict[str, Callable] = {}
+        self._meshes: dict[MeshShape, object] = {}
+        self.commands_run = 0
+
+    # ---- helpers -------------------------------------------------------------
+    def mesh(self, shape: MeshShape):
+        if shape not in self._meshes:
+            import jax
+            from jax.sharding import Mesh
+
+            devices = jax.devices()
+            if len(devices) != shape.size:
+                raise ValueError(f"mesh {shape} needs {shape.size} devices; this slice's world "
+                                 f"has {len(devices)}")
+            self._meshes[shape] = Mesh(np.array(devices).reshape(shape.axis_sizes),
+                                       shape.axis_names)
+        return self._meshes[shape]
+
+    def sharding(self, mesh: MeshShape, spec: Spec):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.mesh(mesh), PartitionSpec(*[a or None for a in spec]))
+
+    def get(self, buffer_id: int):
+        value = self.buffers.get(buffer_id)
+        if value is None:
+            raise KeyError(f"buffer {buffer_id} is not on this chip (freed, or never created)")
+        return value
+
+    def local_shard(self, buffer_id: int) -> np.ndarray:
+        """This chip's shard. Raises ``RemoteError`` if the buffer's command failed —
+        also when the failure shows only now (XLA runs programs asynchronously)."""
+        value = self._ok(buffer_id)
+        try:
+            return np.asarray(value.addressable_data(0))
+        except Exception:  # noqa: BLE001
+            raise RemoteError(f"computing buffer {buffer_id}", traceback.format_exc()) from None
+
+    def ready(self, buffer_ids: list[int]) -> None:
+        for buffer_id in buffer_ids:
+            value = self._ok(buffer_id)
+            try:
+                value.block_until_ready()
+            except Exception:  # noqa: BLE001
+                raise RemoteError(f"computing buffer {buffer_id}",
+                                  traceback.format_exc()) from None
+
+    def _ok(self, buffer_id: int):
+        try:
+            value = self.get(buffer_id)
+        except KeyError as e:
+            raise RemoteError(f"reading buffer {buffer_id}", str(e)) from None
+        if isinstance(value, Failed):
+            raise RemoteError(value.command, value.traceback)
+        return value
+
+    # ---- commands --------------------------------------------------------------
+    def run(self, commands: list[tuple]) -> None:
+        for cmd in commands:
+            op = cmd[0]
+            try:
+                getattr(self, "_" + op)(*cmd[1:])
+            except Exception:  # noqa: BLE001 - recorded on the outputs, worker lives on
+                self._fail(cmd, traceback.format_exc())
+            self.commands_run += 1
+
+    def _fail(self, cmd: tuple, tb: str) -> None:
+        op = cmd[0]
+        failed = Failed(f"{op} {cmd[1] if op == 'run' else ''}".strip(), tb)
+        outs = {"run": lambda: cmd[3], "put": lambda: [cmd[1]],
+                "reshard": lambda: [cmd[2]]}.get(op, lambda: [])()
+        for out_id in outs:
+            self.buffers[out_id] = failed
+
+    def _load(self, fingerprint: str, blob: bytes) -> None:
+        if fingerprint in self.programs:
+            return
+        import jax
+        from jax import export
+
+        exp = export.deserialize(bytearray(blob))
+        self.programs[fingerprint] = jax.jit(exp.call)
+
+    def _put(self, buffer_id: int, shape, dtype, spec, mesh: MeshShape, pieces) -> None:
+        import jax
+
+        sharding = self.sharding(mesh, spec)
+        index = shard_slices(shape, mesh, spec)[self.rank]
+        refs = [ref for ref, _ in pieces[self.rank]]
+        values = self._resolve(refs)
+        local = assemble(index, dtype,
+                         [(idx, v) for (_, idx), v in zip(pieces[self.rank], values, strict=True)])
+        device = jax.local_devices()[0]
+        self.buffers[buffer_id] = jax.make_array_from_single_device_arrays(
+            tuple(shape), sharding, [jax.device_put(local, device)])
+
+    def _run(self, fingerprint: str, in_ids: list[int], out_ids: list[int]) -> None:
+        args = [self.get(i) for i in in_ids]
+        for a in args:
+            if isinstance(a, Failed):
+                for out_id in out_ids:
+                    self.buffers[out_id] = a
+                return
+        if fingerprint not in self.programs:
+            raise KeyError(f"program {fingerprint} was never loaded on this chip")
+        outs = self.programs[fingerprint](*args)
+        import jax
+
+        for out_id, value in zip(out_ids, jax.tree.leaves(outs), strict=True):
+            self.buffers[out_id] = value
+
+    def _reshard(self, src_id: int, dst_id: int, spec, mesh: MeshShape) -> None:
+        import jax
+
+        src = self.get(src_id)
+        if isinstance(src, Failed):
+            self.buffers[dst_id] = src
+            return
+        self.buffers[dst_id] = jax.device_put(src, self.sharding(mesh, spec))
+
+    def _free(self, ids: list[int]) -> None:
+        for i in ids:
+            self.buffers.pop(i, None)
+
+
+class RemoteError(RuntimeError):
+    """A command failed on a chip worker; carries the remote traceback."""
+
+    def __init__(self, command: str, remote_traceback: str):
+        self.command = command
+        self.remote_traceback = remote_traceback
+        super().__init__(f"{command} failed on the slice:\n{remote_traceback}")
+
+    def __reduce__(self):
+        return (RemoteError, (self.command, self.remote_traceback))

@@ -1,0 +1,101 @@
+"""Which part of an array each chip of a slice holds. Pure: numpy only.
+
+The client never holds a slice's devices, so it cannot ask JAX's
+``NamedSharding.devices_indices_map``; this computes the same map from the
+mesh shape, its axis names and a PartitionSpec. Devices are numbered in
+row-major order over the mesh, which is how chip workers build their mesh from
+``jax.devices()`` (rank order).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+__all__ = ["MeshShape", "normalize_spec", "shard_slices", "unique_shards"]
+
+Spec = tuple[tuple[str, ...], ...]  # per array dim: the mesh axes it is split over
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Axis names and sizes of a mesh over the chips of one slice."""
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.axis_names) != len(self.axis_sizes):
+            raise ValueError(
+                f"mesh has {len(self.axis_names)} axis names {self.axis_names} but "
+                f"{len(self.axis_sizes)} sizes {self.axis_sizes}"
+            )
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise ValueError(f"mesh axis names {self.axis_names} repeat a name")
+
+    @property
+    def size(self) -> int:
+        return prod(self.axis_sizes)
+
+    def coords(self) -> list[dict[str, int]]:
+        """Mesh coordinates of each device, in row-major (rank) order."""
+        return [dict(zip(self.axis_names, c, strict=True))
+                for c in itertools.product(*(range(n) for n in self.axis_sizes))]
+
+
+def normalize_spec(spec: Sequence, ndim: int, mesh: MeshShape) -> Spec:
+    """``P('data', None)`` / ``('data', ('x', 'y'))`` -> per-dim tuples of axis names.
+
+    Checks that every axis exists in the mesh and is used at most once.
+    """
+    entries = list(spec)
+    if len(entries) > ndim:
+        raise ValueError(f"sharding spec {tuple(spec)} has {len(entries)} entries for a "
+                         f"{ndim}-dimensional array")
+    entries += [None] * (ndim - len(entries))
+    out, used = [], set()
+    for entry in entries:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise ValueError(f"sharding spec {tuple(spec)} names axis {a!r}; the mesh "
+                                 f"has {mesh.axis_names}")
+            if a in used:
+                raise ValueError(f"sharding spec {tuple(spec)} uses mesh axis {a!r} twice")
+            used.add(a)
+        out.append(axes)
+    return tuple(out)
+
+
+def shard_slices(shape: Sequence[int], mesh: MeshShape, spec: Spec) -> list[tuple[slice, ...]]:
+    """The index each device (rank order) holds of an array of ``shape``."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    for dim, (n, axes) in enumerate(zip(shape, spec, strict=True)):
+        parts = prod(sizes[a] for a in axes)
+        if n % parts:
+            raise ValueError(f"dimension {dim} of size {n} does not split evenly over mesh "
+                             f"axes {axes} ({parts} parts)")
+    out = []
+    for coord in mesh.coords():
+        index = []
+        for n, axes in zip(shape, spec, strict=True):
+            parts, block = 1, 0
+            for a in axes:  # major to minor, as XLA lays out multi-axis dims
+                block = block * sizes[a] + coord[a]
+                parts *= sizes[a]
+            step = n // parts
+            index.append(slice(block * step, (block + 1) * step))
+        out.append(tuple(index))
+    return out
+
+
+def unique_shards(indices: list[tuple[slice, ...]]) -> list[int]:
+    """For each device, the first device holding the same index (its replica 0)."""
+    first: dict[tuple, int] = {}
+    out = []
+    for rank, idx in enumerate(indices):
+        key = tuple((s.start, s.stop) for s in idx)
+        out.append(first.setdefault(key, rank))
+    return out

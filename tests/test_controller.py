@@ -1,0 +1,275 @@
+"""The single controller on a fleet of 2 emulated v6e 2x2 slices (4 chips each).
+
+One fleet and one client for the module. The reference runs are in this test
+process on 8 fake CPU devices (conftest sets XLA_FLAGS).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+import pytest
+import ray
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pathways_ray import LocalFleet
+from pathways_ray.client import RemoteArray, connect, reshard
+from pathways_ray.executor import RemoteError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tctl"):
+        c = connect()
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+@pytest.fixture(scope="module")
+def mesh(client):
+    return client.mesh((2, 2), ("data", "model"))
+
+
+def stats(client, slice_name):
+    return client.stats()[slice_name]
+
+
+def test_client_sees_slices(client):
+    """The controller holds both slices; each has 4 chips."""
+    assert sorted(s.name for s in client.slices) == ["v6e-2x2-0", "v6e-2x2-1"]
+    assert all(s.chips == 4 for s in client.slices)
+
+
+@pytest.mark.parametrize("spec", [P("data", "model"), P(None, "model"), P(), P(("data", "model"))])
+def test_device_put_and_fetch_round_trip(client, mesh, spec):
+    """Scattered shards come back as the same array, for any sharding."""
+    x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    a = client.device_put(x, NamedSharding(mesh, spec), slice=1)
+    assert isinstance(a, RemoteArray) and a.slice == client.slices[1].name
+    np.testing.assert_array_equal(a.fetch(), x)
+    np.testing.assert_array_equal(np.asarray(a), x)
+
+
+def test_second_call_ships_nothing(client, mesh):
+    """A program is exported once and loaded onto a slice once; later calls send only ids."""
+    name = client.slices[0].name
+    x = client.device_put(np.ones((4, 4), np.float32), NamedSharding(mesh, P("data")), slice=0)
+
+    @client.jit
+    def add_one(v):
+        return v + 1
+
+    np.testing.assert_array_equal(add_one(x).fetch(), 2 * np.ones((4, 4)))
+    before = stats(client, name)
+    for _ in range(5):
+        y = add_one(x)
+    np.testing.assert_array_equal(y.fetch(), 2 * np.ones((4, 4)))
+    after = stats(client, name)
+    assert len(add_one.programs) == 1
+    assert after["loads_sent"] == before["loads_sent"]
+    assert [w["programs"] for w in after["workers"]] == [w["programs"] for w in before["workers"]]
+
+
+def test_wrong_arguments_fail_on_the_client_before_dispatch(client, mesh):
+    """A compiled program names the argument path and both values; nothing is sent."""
+    f = client.jit(lambda p, v: (p["w"] @ v).sum())
+    w = client.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P()), slice=0)
+    v = client.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh, P("data")), slice=0)
+    compiled = f.lower({"w": w}, v)
+    assert float(compiled({"w": w}, v).fetch()) == 64.0
+    name = client.slices[0].name
+    before = stats(client, name)["workers"][0]["commands"]
+    short = client.device_put(np.ones((6, 2), np.float32), NamedSharding(mesh, P()), slice=0)
+    with pytest.raises(ValueError, match=r"Shape mismatch for args\[1\].shape\[0\]: expected 8 "
+                                         r"and called with 6"):
+        compiled({"w": w}, short)
+    ints = client.device_put(np.ones((8, 2), np.int32), NamedSharding(mesh, P("data")), slice=0)
+    with pytest.raises(ValueError, match=r"Dtype mismatch for args\[1\]: expected float32 and "
+                                         r"called with int32"):
+        compiled({"w": w}, ints)
+    resharded = client.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh, P("model")),
+                                  slice=0)
+    with pytest.raises(ValueError, match=r"Sharding mismatch for args\[1\]"):
+        compiled({"w": w}, resharded)
+    with pytest.raises(ValueError, match=r"args\[0\]\['w'\].*on v6e-2x2-1"):
+        f({"w": client.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P()),
+                                  slice=1)}, v)
+    one_chip = client.mesh((8,), ("data",))
+    with pytest.raises(ValueError, match="8 devices; slice .* has 4 chips"):
+        client.device_put(np.ones(8, np.float32), NamedSharding(one_chip, P("data")))
+    # Nothing failed reached the workers (only the puts above did).
+    after = stats(client, name)["workers"][0]["commands"]
+    assert after - before == 3
+
+
+def test_failing_program_returns_remote_traceback_and_slice_lives(client, mesh):
+    """An error while a program runs (here: out of memory) comes back with the remote
+    traceback when the result is fetched; the slice keeps running programs."""
+    a = client.device_put(np.ones(8, np.float32), NamedSharding(mesh, P(("data", "model"))))
+    huge = client.jit(lambda v: v + jnp.arange(1 << 36, dtype=jnp.float32).reshape(-1, 8).sum(0))
+    bad = huge(a)
+    later = client.jit(lambda v: v * 2)(bad)  # depends on the failed result
+    with pytest.raises(RemoteError, match="RESOURCE_EXHAUSTED") as exc:
+        bad.fetch()
+    assert "Traceback" in exc.value.remote_traceback
+    with pytest.raises(RemoteError):
+        later.block_until_ready()
+    np.testing.assert_array_equal(client.jit(lambda v: v * 3)(a).fetch(), 3 * np.ones(8))
+
+
+def test_mpmd_two_programs_on_two_slices(client, mesh):
+    """A learner-like program on one slice and a sampler-like one on the other, in flight
+    at the same time, each with its own results."""
+    a = client.device_put(np.full((8, 8), 2.0, np.float32), NamedSharding(mesh, P("data")),
+                          slice=0)
+    b = client.device_put(np.full((8, 8), 3.0, np.float32), NamedSharding(mesh, P("data")),
+                          slice=1)
+    learner = client.jit(lambda v: (v @ v).sum())
+    sampler = client.jit(lambda v: jnp.tanh(v).mean(axis=0))
+    outs = []
+    for _ in range(10):
+        outs.append((learner(a), sampler(b)))
+    assert outs[0][0].slice == client.slices[0].name and outs[0][1].slice == client.slices[1].name
+    for la, sa in outs:
+        assert float(la.fetch()) == 8 * 8 * 8 * 4.0
+        np.testing.assert_allclose(sa.fetch(), np.tanh(3.0) * np.ones(8), rtol=1e-6)
+
+
+def test_pipeline_across_slices(client, mesh):
+    """Stage 1 on slice 0, its output moved worker to worker, stage 2 on slice 1."""
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+    a = client.device_put(x, NamedSharding(mesh, P("data")), slice=0)
+    h = client.jit(lambda v: jnp.sin(v) * 2)(a)
+    h1 = reshard(h, NamedSharding(mesh, P(None, "model")), slice=1)
+    out = client.jit(lambda v: v.sum(axis=1))(h1)
+    np.testing.assert_allclose(out.fetch(), (np.sin(x) * 2).sum(axis=1), rtol=1e-5)
+
+
+def test_reshard_within_and_across_slices_keeps_content_and_controller_flat(client, mesh):
+    """Reshard to every sharding on the same slice and onto the other slice; the bytes
+    never pass through the controller (its memory stays flat for 5 x 32 MiB)."""
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    a = client.device_put(x, NamedSharding(mesh, P("data", "model")), slice=0)
+    for spec in (P("model", "data"), P(), P(None, ("data", "model"))):
+        np.testing.assert_array_equal(reshard(a, NamedSharding(mesh, spec)).fetch(), x)
+        other = reshard(a, NamedSharding(mesh, spec), slice=1)
+        assert other.slice == client.slices[1].name
+        np.testing.assert_array_equal(other.fetch(), x)
+    big = client.device_put(np.ones((2048, 4096), np.float32), NamedSharding(mesh, P("data")),
+                            slice=0)
+    pid = ray.get(client._controller.pid.remote())
+    rss0 = psutil.Process(pid).memory_info().rss
+    for i in range(5):
+        moved = reshard(big, NamedSharding(mesh, P("model")), slice=1 - i % 2)
+        moved.block_until_ready()
+        big = moved
+    grown = psutil.Process(pid).memory_info().rss - rss0
+    assert grown < 16 * 2**20, f"controller grew {grown / 2**20:.1f} MiB moving 5 x 32 MiB"
+    assert float(client.jit(lambda v: v.sum())(big).fetch()) == 2048 * 4096
+
+
+def test_freeing_handles_frees_shards(client, mesh):
+    """Dropping the last handle frees the buffers on every chip."""
+    name = client.slices[0].name
+    gc.collect()
+    base = stats(client, name)
+    arrays = [client.device_put(np.ones((64, 64), np.float32), NamedSharding(mesh, P("data")),
+                                slice=0) for _ in range(10)]
+    mid = stats(client, name)
+    assert mid["live_arrays"] == base["live_arrays"] + 10
+    assert all(w["buffers"] == mid["workers"][0]["buffers"] for w in mid["workers"])
+    del arrays
+    gc.collect()
+    end = stats(client, name)
+    assert end["live_arrays"] == base["live_arrays"]
+    assert [w["buffers"] for w in end["workers"]] == [w["buffers"] for w in base["workers"]]
+
+
+def test_1000_pipelined_steps_do_not_leak(client, mesh):
+    """1,000 dependent steps issued without waiting: the result is right and no buffer,
+    array record or queue grows."""
+    name = client.slices[1].name
+    step = client.jit(lambda v: v * 0.5 + 1.0)
+    z = client.device_put(np.zeros(16, np.float32), NamedSharding(mesh, P(("data", "model"))),
+                          slice=1)
+    gc.collect()
+    base = stats(client, name)
+    for _ in range(1000):
+        z = step(z)
+    np.testing.assert_allclose(z.fetch(), 2.0 * np.ones(16), rtol=1e-6)
+    gc.collect()
+    end = stats(client, name)
+    assert end["live_arrays"] <= base["live_arrays"] + 1
+    assert max(w["buffers"] for w in end["workers"]) <= base["workers"][0]["buffers"] + 1
+
+
+# ---- parity with one process on the same number of fake CPU devices -----------------
+def _mlp_data():
+    rng = np.random.default_rng(42)
+    params = {"w1": rng.standard_normal((16, 32)).astype(np.float32) * 0.3,
+              "b1": np.zeros(32, np.float32),
+              "w2": rng.standard_normal((32, 1)).astype(np.float32) * 0.3,
+              "b2": np.zeros(1, np.float32)}
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+    y = np.sin(x.sum(axis=1, keepdims=True)).astype(np.float32)
+    return params, x, y
+
+
+def _mlp_loss(p, x, y):
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
+
+
+def _sgd(p, g, lr=0.1):
+    return jax.tree.map(lambda a, b: a - lr * b, p, g)
+
+
+def test_mlp_parity_with_single_process_run(client):
+    """20 data-parallel steps across both slices through the controller match the same
+    training in one process on 8 fake CPU devices: loss per step within 1e-5 relative."""
+    params, x, y = _mlp_data()
+    steps = 20
+    # Reference: one process, 8 devices, the global batch sharded over all of them.
+    ref_mesh = Mesh(np.array(jax.devices()), ("data",))
+    rep, dat = NamedSharding(ref_mesh, P()), NamedSharding(ref_mesh, P("data"))
+    ref_step = jax.jit(lambda p, xb, yb: (lambda lg: (lg[0], _sgd(p, lg[1])))(
+        jax.value_and_grad(_mlp_loss)(p, xb, yb)), out_shardings=(rep, rep))
+    p_ref = jax.device_put(params, rep)
+    xr, yr = jax.device_put(x, dat), jax.device_put(y, dat)
+    ref_losses = []
+    for _ in range(steps):
+        loss, p_ref = ref_step(p_ref, xr, yr)
+        ref_losses.append(float(loss))
+
+    # Through the controller: each slice takes half the batch; gradients cross slices.
+    mesh = client.mesh((4,), ("data",))
+    rep4, dat4 = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    grad = client.jit(jax.value_and_grad(_mlp_loss), out_shardings=(rep4, rep4))
+    apply = client.jit(lambda p, g_mine, g_other: _sgd(p, jax.tree.map(
+        lambda a, b: (a + b) / 2, g_mine, g_other)), out_shardings=rep4)
+    halves = [(0, slice(0, 32)), (1, slice(32, 64))]
+    p = [client.device_put(params, rep4, slice=i) for i, _ in halves]
+    xs = [client.device_put(x[rows], dat4, slice=i) for i, rows in halves]
+    ys = [client.device_put(y[rows], dat4, slice=i) for i, rows in halves]
+    losses = []
+    for _ in range(steps):
+        (l0, g0), (l1, g1) = grad(p[0], xs[0], ys[0]), grad(p[1], xs[1], ys[1])
+        g0_on_1 = jax.tree.map(lambda g: reshard(g, rep4, slice=1), g0)
+        g1_on_0 = jax.tree.map(lambda g: reshard(g, rep4, slice=0), g1)
+        p = [apply(p[0], g0, g1_on_0), apply(p[1], g1, g0_on_1)]
+        losses.append((l0, l1))
+    got = [(float(a.fetch()) + float(b.fetch())) / 2 for a, b in losses]
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
+    assert got[-1] < got[0]
+    # Both replicas of the parameters stayed identical.
+    for k in params:
+        np.testing.assert_array_equal(p[0][k].fetch(), p[1][k].fetch())

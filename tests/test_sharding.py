@@ -1,0 +1,49 @@
+"""The client's shard map equals JAX's own devices_indices_map for the same mesh."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pathways_ray.sharding import MeshShape, normalize_spec, shard_slices, unique_shards
+
+CASES = [
+    ((2, 4), ("data", "model"), (8, 16), P("data", "model")),
+    ((2, 4), ("data", "model"), (8, 16), P(None, "model")),
+    ((2, 4), ("data", "model"), (8, 16), P("model", "data")),
+    ((2, 4), ("data", "model"), (16, 4), P(("data", "model"))),
+    ((2, 4), ("data", "model"), (16, 4), P(("model", "data"))),
+    ((2, 4), ("data", "model"), (3, 5), P()),
+    ((8,), ("chips",), (8, 2), P("chips")),
+    ((2, 2, 2), ("x", "y", "z"), (4, 4, 2), P("x", ("y",), "z")),
+]
+
+
+@pytest.mark.parametrize("mesh_shape,names,shape,spec", CASES)
+def test_matches_jax(mesh_shape, names, shape, spec):
+    """Every device's index agrees with jax.sharding.NamedSharding on a real mesh."""
+    assert jax.device_count() == 8
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+    want = NamedSharding(mesh, spec).devices_indices_map(shape)
+    ms = MeshShape(names, mesh_shape)
+    got = shard_slices(shape, ms, normalize_spec(spec, len(shape), ms))
+    for rank, device in enumerate(mesh.devices.flat):
+        norm = tuple(slice(s.start or 0, n if s.stop is None else s.stop)
+                     for s, n in zip(want[device], shape, strict=True))
+        assert got[rank] == norm, (rank, got[rank], norm)
+
+
+def test_replicas_and_errors():
+    """Replicated shards point at their first holder; bad specs name the problem."""
+    ms = MeshShape(("data", "model"), (2, 2))
+    idx = shard_slices((4, 4), ms, normalize_spec(P("data"), 2, ms))
+    assert unique_shards(idx) == [0, 0, 2, 2]
+    with pytest.raises(ValueError, match="axis 'batch'"):
+        normalize_spec(P("batch"), 2, ms)
+    with pytest.raises(ValueError, match="twice"):
+        normalize_spec(P("data", "data"), 2, ms)
+    with pytest.raises(ValueError, match="does not split evenly"):
+        shard_slices((3, 4), ms, normalize_spec(P("data"), 2, ms))
