@@ -162,6 +162,10 @@ class ChipWorker:
         self.executor.run(commands)
         return self.executor.commands_run
 
+    def repeat(self, fingerprint: str, buffer_id: int, k: int) -> float:
+        """Run a loaded one-argument program k times here (the multi-controller baseline)."""
+        return self.executor.repeat(fingerprint, buffer_id, k)
+
     def shard(self, buffer_id: int) -> np.ndarray:
         """This chip's shard of a buffer (raises the remote error of a failed buffer)."""
         return self.executor.local_shard(buffer_id)

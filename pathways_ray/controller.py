@@ -129,6 +129,11 @@ class Controller:
             pieces.append(mine)
         self.submit(dst, [("put", dst_id, tuple(shape), dtype, dst_spec, dst_mesh, pieces)])
 
+    def repeat(self, slice_name: str, fingerprint: str, buffer_id: int, k: int) -> list:
+        """Every worker runs the program k times itself (multi-controller baseline)."""
+        return [w.handle.repeat.remote(fingerprint, buffer_id, k)
+                for w in self._slice(slice_name).workers]
+
     def pid(self) -> int:
         import os
 

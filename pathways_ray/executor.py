@@ -131,6 +131,19 @@ class Executor:
                 self._fail(cmd, traceback.format_exc())
             self.commands_run += 1
 
+    def repeat(self, fingerprint: str, buffer_id: int, k: int) -> float:
+        """Multi-controller mode: run ``z = program(z)`` k times from this process alone
+        (every worker of the slice does the same), return the seconds it took."""
+        import time
+
+        prog = self.programs[fingerprint]
+        z = self._ok(buffer_id)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            z = prog(z)
+        z.block_until_ready()
+        return time.perf_counter() - t0
+
     def _fail(self, cmd: tuple, tb: str) -> None:
         op = cmd[0]
         failed = Failed(f"{op} {cmd[1] if op == 'run' else ''}".strip(), tb)

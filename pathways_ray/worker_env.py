@@ -54,6 +54,10 @@ def cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
     """
     flags = _DEVICE_COUNT_FLAG.sub("", environ.get("XLA_FLAGS", "")).split()
     flags.append("--xla_force_host_platform_device_count=1")
+    # Many emulated chips share the machine's cores: each chip computes on one thread
+    # instead of every chip spinning a pool as wide as the machine.
+    if not any(f.startswith("--xla_cpu_multi_thread_eigen") for f in flags):
+        flags.append("--xla_cpu_multi_thread_eigen=false")
     return {
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": " ".join(flags),

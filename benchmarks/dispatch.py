@@ -1,0 +1,119 @@
+"""Single-controller dispatch vs. multi-controller, on the same emulated slice and program.
+
+    python benchmarks/dispatch.py [--seconds 1.0] [--targets-ms 1 2 5 20 50]
+
+For each step time, the same dependent chain z = step(z) runs K times:
+- multi-controller: every chip worker loops over the K steps itself (what
+  one-process-per-host JAX does), timed on the workers;
+- single controller: the client issues K calls through the controller
+  (batched, asynchronous), then waits for the last result.
+Prints steps/s of both, their ratio, and the client + controller CPU time per
+step (the dispatch cost). Targets: ratio >= 0.9 at 2 ms, >= 0.97 at 20 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+import ray
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pathways_ray import LocalFleet
+from pathways_ray.client import connect
+
+DIM = 128
+
+
+def make_step(iters: int):
+    def step(z):
+        def body(_, v):
+            return jnp.tanh(v @ jnp.eye(DIM, dtype=v.dtype) * 0.9 + 0.01)
+        z = jax.lax.fori_loop(0, iters, body, z)
+        return z - z.mean()  # one cross-chip all-reduce per step, like a gradient sync
+    step.__name__ = f"step_{iters}"
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=1.0, help="work per measurement")
+    ap.add_argument("--targets-ms", type=float, nargs="+", default=[1, 2, 5, 20, 50])
+    args = ap.parse_args()
+
+    with LocalFleet(num_slices=1, accelerator="v6e", topology="2x2", name="bdisp"):
+        client = connect()
+        ctl = client._controller
+        me = psutil.Process()
+        ctl_proc = psutil.Process(ray.get(ctl.pid.remote()))
+        name = client.slices[0].name
+        mesh = client.mesh((4,), ("chips",))
+        sharding = NamedSharding(mesh, P("chips"))
+        z0 = client.device_put(np.ones((4 * 8, DIM), np.float32), sharding)
+
+        def multi(fn, k):
+            """Wall time at the client for every worker to run k steps itself."""
+            compiled = fn.lower(z0)
+            compiled(z0).block_until_ready()  # load + compile everywhere
+            fp = compiled.program.fingerprint
+            ray.get(ray.get(ctl.repeat.remote(name, fp, z0._id, 3)))  # warm-up
+            t0 = time.perf_counter()
+            ray.get(ray.get(ctl.repeat.remote(name, fp, z0._id, k)))
+            return time.perf_counter() - t0
+
+        def single(fn, k):
+            """Wall time at the client for k steps dispatched through the controller."""
+            z = fn(fn(fn(z0)))  # warm-up
+            z.block_until_ready()
+            cpu0 = me.cpu_times(), ctl_proc.cpu_times()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                z = fn(z)
+            z.block_until_ready()
+            dt = time.perf_counter() - t0
+            cpu1 = me.cpu_times(), ctl_proc.cpu_times()
+            cpu = sum((b.user + b.system) - (a.user + a.system)
+                      for a, b in zip(cpu0, cpu1, strict=True))
+            return dt, cpu / k
+
+        # Calibrate: the time of one inner iteration, from steps of ~10 ms (after warm-up),
+        # net of the per-step all-reduce measured with a 1-iteration step.
+        base_fn = client.jit(make_step(1))
+        multi(base_fn, 30)
+        base = multi(base_fn, 50) / 50
+        iters = 16
+        while True:
+            per = multi(client.jit(make_step(iters)), 20) / 20
+            if per >= 0.010 or iters >= 1 << 16:
+                break
+            iters *= 2
+        unit_ms = max(per - base, 1e-6) * 1e3 / (iters - 1)
+        print(f"slice {name}: 4 chips on {psutil.cpu_count()} CPUs; all-reduce step "
+              f"{base * 1e3:.2f} ms + {unit_ms * 1e3:.1f} us per inner iteration; "
+              f"K steps = ~{args.seconds:g} s of work per run, median of 3")
+        print(f"{'step':>8} {'multi-ctrl':>12} {'controller':>12} {'ratio':>7} "
+              f"{'dispatch CPU/step':>18}")
+        for target in args.targets_ms:
+            n = max(1, round((target - base * 1e3) / unit_ms))
+            fn = client.jit(make_step(n))
+            k = max(20, int(args.seconds * 1e3 / target))
+            m_runs, s_runs, costs = [], [], []
+            for _ in range(3):
+                m_runs.append(multi(fn, k))
+                dt, cost = single(fn, k)
+                s_runs.append(dt)
+                costs.append(cost)
+            m, s = statistics.median(m_runs), statistics.median(s_runs)
+            print(f"{m / k * 1e3:6.1f}ms {k / m:9.1f}/s {k / s:9.1f}/s {m / s:7.3f} "
+                  f"{statistics.median(costs) * 1e3:15.3f} ms")
+        client.close()
+
+
+if __name__ == "__main__":
+    main()
