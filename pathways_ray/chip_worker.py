@@ -86,6 +86,7 @@ class ChipWorker:
         timeout_s: float,
         process_addresses: list[str] | None = None,
         slice_shape: tuple[int, ...] | None = None,
+        compilation_cache_dir: str | None = None,
     ) -> dict:
         """Join the slice's JAX world as process ``rank``; returns what JAX sees."""
         if self.info.platform == "cpu":
@@ -105,6 +106,11 @@ class ChipWorker:
 
         if self.info.platform == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if compilation_cache_dir:
+            # XLA executables persist across runs: the second run of a program loads it.
+            jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,

@@ -391,8 +391,13 @@ class Client:
         refs = ray.get(self._controller.ready.remote(slice_name, ids), timeout=timeout_s)
         _get_remote(refs, timeout_s)
 
-    def reshard(self, x: RemoteArray, sharding, slice: str | int | None = None) -> RemoteArray:
-        """``x`` with another sharding, on its slice or on ``slice``."""
+    def reshard(self, x: RemoteArray, sharding, slice: str | int | None = None,
+                *, via_controller: bool = False) -> RemoteArray:
+        """``x`` with another sharding, on its slice or on ``slice``.
+
+        Across slices the shards travel worker to worker as object refs;
+        ``via_controller=True`` routes the bytes through the controller instead
+        (only for measuring the difference)."""
         import ray
 
         target = self.slice(slice) if slice is not None else self.slice(x.slice)
@@ -407,7 +412,8 @@ class Client:
         self._flush_slice(x.slice)
         self._flush_slice(target.name)
         ray.get(self._controller.transfer.remote(x.slice, x._id, x.shape, x.dtype.name, x.mesh,
-                                                 x.spec, target.name, out._id, mesh, spec),
+                                                 x.spec, target.name, out._id, mesh, spec,
+                                                 via_controller),
                 timeout=600)
         return out
 
@@ -449,12 +455,29 @@ def _get_remote(refs, timeout_s: float):
         raise
 
 
+CACHE_ENV = "PATHWAYS_RAY_COMPILATION_CACHE_DIR"
+
+
+def default_compilation_cache_dir() -> str:
+    """``$PATHWAYS_RAY_COMPILATION_CACHE_DIR``, else ``<PATHWAYS_RAY_DIR>/xla-cache``.
+
+    On an emulated fleet every host is this machine, so a local directory is seen by
+    all of them; on a real cluster point the variable at shared storage (gs://…, NFS).
+    """
+    import os
+
+    from pathways_ray.fleet import base_dir
+
+    return os.environ.get(CACHE_ENV) or str(base_dir() / "xla-cache")
+
+
 def connect(slices: list | None = None, *, reserve_timeout_s: float = 120.0,
-            max_batch: int = 64) -> Client:
+            max_batch: int = 64, compilation_cache_dir: str | None = "default") -> Client:
     """Start a controller holding ``slices`` (default: every free slice) and return a client.
 
     The process must be connected to the Ray cluster (a ``LocalFleet``, or
-    ``Fleet.attach()``).
+    ``Fleet.attach()``). ``compilation_cache_dir`` is JAX's persistent compilation
+    cache on every chip (``None`` turns it off).
     """
     import ray
 
@@ -467,8 +490,10 @@ def connect(slices: list | None = None, *, reserve_timeout_s: float = 120.0,
     # Errors of shards the controller fetched for the client reach the client; the
     # controller need not echo them as "unhandled" when it drops its refs.
     env = {"env_vars": {"RAY_IGNORE_UNHANDLED_ERRORS": "1"}}
+    if compilation_cache_dir == "default":
+        compilation_cache_dir = default_compilation_cache_dir()
     actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=env)(Controller).remote(
-        specs, reserve_timeout_s)
+        specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir)
     return Client(actor, max_batch=max_batch)
 
 

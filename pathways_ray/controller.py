@@ -32,7 +32,7 @@ class Controller:
     """Create with ``ray.remote(Controller)``; the client talks to it."""
 
     def __init__(self, slices: list | None = None, reserve_timeout_s: float = 120.0,
-                 max_inflight: int = 8):
+                 max_inflight: int = 8, compilation_cache_dir: str | None = None):
         import ray
         from ray._private.state import available_resources_per_node
 
@@ -47,7 +47,8 @@ class Controller:
         self.slices: dict[str, Slice] = {}
         try:
             for spec in slices:
-                s = Slice.reserve(spec, timeout_s=reserve_timeout_s)
+                s = Slice.reserve(spec, timeout_s=reserve_timeout_s,
+                                  compilation_cache_dir=compilation_cache_dir)
                 self.slices[s.name] = s
         except BaseException:
             self.shutdown()
@@ -109,18 +110,37 @@ class Controller:
         return [w.handle.ready.remote(buffer_ids) for w in s.workers]
 
     def transfer(self, src: str, src_id: int, shape, dtype: str, src_mesh: MeshShape, src_spec,
-                 dst: str, dst_id: int, dst_mesh: MeshShape, dst_spec) -> None:
+                 dst: str, dst_id: int, dst_mesh: MeshShape, dst_spec,
+                 via_controller: bool = False) -> None:
         """Copy an array to another slice, shard by shard, worker to worker.
 
         Each unique source shard becomes one object ref (the source worker's
         ``shard`` result); each destination chip gets the refs that overlap its
-        block and assembles it. Only refs pass through here.
+        block and assembles it. Only refs pass through here. ``via_controller``
+        instead pulls the bytes into this process and puts them again — the
+        design we do not use, kept to measure against (benchmarks/reshard.py).
         """
+        import ray
+
         src_slice = self._slice(src)
         self._slice(dst)
         src_index = shard_slices(shape, src_mesh, src_spec)
         firsts = sorted(set(unique_shards(src_index)))
         src_refs = {r: src_slice.workers[r].handle.shard.remote(src_id) for r in firsts}
+        if via_controller:
+            values = ray.get([src_refs[r] for r in firsts], timeout=600)
+            src_refs = {r: ray.put(v) for r, v in zip(firsts, values, strict=True)}
+            del values
+        else:
+            # Wait until the shards exist, without pulling them here (fetch_local=False):
+            # destination chips that ask for a ref not yet created wait much longer for
+            # its location than for the bytes themselves.
+            pending = list(src_refs.values())
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=600,
+                                fetch_local=False)
+            if len(ready) < len(pending):
+                raise TimeoutError(f"source shards of buffer {src_id} on {src} were not ready "
+                                   f"within 600 s")
         pieces = []
         for index in shard_slices(shape, dst_mesh, dst_spec):
             mine = [(src_refs[r], src_index[r]) for r in firsts

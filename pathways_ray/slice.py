@@ -108,11 +108,14 @@ class Slice:
         chips_per_host: int | None = None,
         timeout_s: float | None = None,
         worker_timeout_s: float = 180.0,
+        compilation_cache_dir: str | None = None,
     ) -> Slice:
         """Reserve one whole slice of ``topology`` and start a worker on every chip.
 
         ``timeout_s`` bounds the reservation (default ``$PATHWAYS_RAY_RESERVE_TIMEOUT_S``
         or 60 s); ``worker_timeout_s`` bounds starting the workers and their JAX world.
+        ``compilation_cache_dir`` (a path every host sees) turns on JAX's persistent
+        compilation cache on every chip.
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -183,7 +186,7 @@ class Slice:
                     f"this is a placement bug, please report it"
                 )
             workers = [SliceWorker(r, infos[i], names[i], handles[i]) for r, i in enumerate(order)]
-            world = cls._init_world(topo, workers, worker_timeout_s)
+            world = cls._init_world(topo, workers, worker_timeout_s, compilation_cache_dir)
         except BaseException:
             for h in handles:
                 ray.kill(h)
@@ -205,7 +208,8 @@ class Slice:
         )
 
     @staticmethod
-    def _init_world(topo: Topology, workers: list[SliceWorker], timeout_s: float) -> list[dict]:
+    def _init_world(topo: Topology, workers: list[SliceWorker], timeout_s: float,
+                    compilation_cache_dir: str | None) -> list[dict]:
         ports = _get([w.handle.reserve_port.remote() for w in workers], timeout_s,
                      "reserving ports", "worker_timeout_s")
         addresses = [f"{w.info.ip}:{p}" for w, p in zip(workers, ports, strict=True)]
@@ -219,6 +223,7 @@ class Slice:
                     timeout_s=timeout_s,
                     process_addresses=addresses,
                     slice_shape=topo.shape,
+                    compilation_cache_dir=compilation_cache_dir,
                 )
                 for w in workers
             ],
@@ -286,6 +291,13 @@ class Slice:
 
         if not ray.is_initialized():
             return
+        # Leave the JAX world together first: killing the coordinator's rank while the
+        # others still poll it makes them abort with fatal-error logs.
+        refs = [w.handle.shutdown_world.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+        if len(ready) < len(refs):
+            logger.info("slice %s: %d chip workers did not leave the JAX world in 10 s",
+                        self.name, len(refs) - len(ready))
         for w in self.workers:
             try:
                 ray.kill(w.handle)

@@ -273,3 +273,38 @@ def test_mlp_parity_with_single_process_run(client):
     # Both replicas of the parameters stayed identical.
     for k in params:
         np.testing.assert_array_equal(p[0][k].fetch(), p[1][k].fetch())
+
+
+def test_persistent_compilation_cache(client):
+    """A program compiled once is stored in the cache directory; a new controller with
+    fresh chip workers (new processes) loads it instead of compiling: no new entries.
+    Runs last: it closes the module's client."""
+    import os
+
+    from pathways_ray.client import default_compilation_cache_dir
+
+    cache = default_compilation_cache_dir()
+
+    def entries():
+        return set(os.listdir(cache)) if os.path.isdir(cache) else set()
+
+    def unique_program(v):
+        return jnp.cos(v) * 1.2345 + 0.5  # its own constants: a cache key of its own
+
+    def run(c):
+        mesh = c.mesh((4,), ("data",))
+        x = c.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("data")), slice=0)
+        out = c.jit(unique_program)(x).fetch()
+        np.testing.assert_allclose(out, np.cos(1.0) * 1.2345 + 0.5, rtol=1e-6)
+
+    before = entries()
+    run(client)
+    first = entries()
+    assert first - before, "the first compilation wrote a cache entry"
+    client.close()
+    fresh = connect()
+    try:
+        run(fresh)
+        assert entries() == first, "the second run compiled nothing new"
+    finally:
+        fresh.close()
