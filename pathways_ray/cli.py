@@ -35,14 +35,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _fleet_args(p: argparse.ArgumentParser, *, default_slices: int = 2) -> None:
+def _fleet_args(p: argparse.ArgumentParser, *, default_slices: int = 2,
+                default_topology: str = "2x4") -> None:
     gens = ", ".join(GENERATIONS)
     p.add_argument("--slices", type=_positive_int, default=default_slices,
                    help=f"number of TPU slices to emulate (default {default_slices})")
     p.add_argument("--accelerator", default="v6e",
                    help=f"TPU generation: {gens}; or a pod type like v6e-16 (default v6e)")
     p.add_argument("--topology", default=None,
-                   help="slice shape, e.g. 2x4, 4x4, 2x2x2 (default 2x4, or from the pod type)")
+                   help=f"slice shape, e.g. 2x4, 4x4, 2x2x2 (default {default_topology}, or "
+                   f"from the pod type)")
+    p.set_defaults(default_topology=default_topology)
     p.add_argument("--chips-per-host", type=_positive_int, default=None,
                    help="override chips per host where GKE offers a choice (v5e/v6e 2x4: 8 or 4)")
 
@@ -50,7 +53,8 @@ def _fleet_args(p: argparse.ArgumentParser, *, default_slices: int = 2) -> None:
 def _topology(args) -> Topology:
     topology = args.topology
     if topology is None and not re.search(r"-[0-9]+$", args.accelerator.strip()):
-        topology = "2x4"  # a generation alone; a pod type such as v6e-16 implies its shape
+        # a generation alone; a pod type such as v6e-16 implies its own shape
+        topology = getattr(args, "default_topology", "2x4")
     return Topology.parse(args.accelerator, topology, chips_per_host=args.chips_per_host)
 
 
@@ -83,11 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--name", default=None, help="fleet name (default: the only one running)")
     down.add_argument("--all", action="store_true", help="stop every local fleet")
 
-    demo = sub.add_parser("demo", help="run the main job on a fresh local fleet",
-                          description="Start a local fleet, reserve every slice, run an "
-                          "all-reduce on each, print the status table and shut down.")
-    _fleet_args(demo)
-    demo.set_defaults(chips_per_host=4)  # multi-host slices: 2 hosts x 4 chips per v6e 2x4
+    demo = sub.add_parser("demo", help="train a small LM through the single controller",
+                          description="Start a local emulated fleet, train a small transformer "
+                          "LM through the single controller (data parallel across slices, "
+                          "data x model parallel within each), write a loss-curve PNG, print "
+                          "the fleet status and a summary, and shut everything down.")
+    _fleet_args(demo, default_topology="2x2")
+    demo.add_argument("--steps", type=_positive_int, default=80, help="training steps (80)")
+    demo.add_argument("--batch", type=_positive_int, default=64,
+                      help="global batch, split over slices and their data axis (64)")
+    demo.add_argument("--out", default="pathways-ray-demo", help="where loss.png goes")
     _add_plugins(sub)
     return parser
 
@@ -201,7 +210,8 @@ def cmd_demo(args) -> int:
 
     topo = _topology(args)
     run_demo(num_slices=args.slices, accelerator=topo.generation.name, topology=topo.name,
-             chips_per_host=topo.chips_per_host, console=console)
+             chips_per_host=topo.chips_per_host, steps=args.steps, batch=args.batch,
+             out_dir=args.out, console=console)
     return 0
 
 

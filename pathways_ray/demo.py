@@ -1,20 +1,25 @@
-"""The main job on a local emulated fleet.
+"""The main job: train a small transformer LM on a local emulated fleet, single controller.
 
-Starts a fleet of TPU slices, reserves every slice, proves each slice is one
-JAX world with a real all-reduce, prints the status table and shuts down.
+Starts a fleet of emulated v6e slices, connects a client (the controller
+reserves every slice), and trains ``pathways_ray.lm`` on synthetic text: data
+parallel across slices, data x model parallel within each slice. Shows a
+progress bar (step, loss, tokens/s), writes a loss-curve PNG, prints the fleet
+status and a summary, and stops every process it started.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from pathways_ray._ui import fleet_progress
 from pathways_ray.fleet import LocalFleet
-from pathways_ray.slice import Slice
 from pathways_ray.status import collect_status, render_status
 from pathways_ray.topology import Topology
 
@@ -22,58 +27,126 @@ from pathways_ray.topology import Topology
 @dataclass(frozen=True)
 class DemoResult:
     fleet_up_s: float
-    reserve_s: dict[str, float]
-    all_reduce: dict[str, float]  # slice -> the sum every chip got
-    expected: dict[str, float]
+    losses: list[float]
+    loss_floor: float
+    tokens_per_s: float
+    train_s: float
+    plot: Path
 
 
 def run_demo(
     *,
     num_slices: int = 2,
     accelerator: str = "v6e",
-    topology: str = "2x4",
-    chips_per_host: int | None = 4,
+    topology: str = "2x2",
+    chips_per_host: int | None = None,
+    steps: int = 80,
+    batch: int = 64,
+    out_dir: str | Path = "pathways-ray-demo",
     console: Console | None = None,
 ) -> DemoResult:
+    from pathways_ray.client import connect
+    from pathways_ray.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
+    from pathways_ray.multislice import DataParallelTrainer
+
     console = console or Console()
     topo = Topology.parse(accelerator, topology, chips_per_host=chips_per_host)
-    console.print(f"[bold]pathways-ray[/bold]: emulating {num_slices} x {topo.describe()}")
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be at least 1")
+    model_par = 2 if topo.chips % 2 == 0 else 1
+    mesh_shape = (topo.chips // model_par, model_par)
+    per_slice = batch // num_slices
+    if batch % num_slices or per_slice % mesh_shape[0]:
+        raise ValueError(f"batch={batch} must split evenly over {num_slices} slices x "
+                         f"{mesh_shape[0]} data-parallel chips")
+    cfg = LMConfig(lr=0.2)
+    text = MarkovText(cfg.vocab)
+    console.print(f"[bold]pathways-ray[/bold]: {num_slices} x {topo.describe()}; training a "
+                  f"{cfg.layers}-layer transformer LM, mesh data={mesh_shape[0]} x "
+                  f"model={mesh_shape[1]} per slice, data parallel across slices")
     t0 = time.monotonic()
-    fleet = LocalFleet(num_slices=num_slices, accelerator=accelerator, topology=topology,
-                       chips_per_host=chips_per_host, name="demo")
+    fleet = LocalFleet(num_slices=num_slices, accelerator=topo.generation.name,
+                       topology=topo.name, chips_per_host=topo.chips_per_host, name="demo")
     try:
         with fleet_progress(console) as update:
             fleet.start(progress=update)
         fleet_up = time.monotonic() - t0
         console.print(f"fleet up in {fleet_up:.1f}s at {fleet.address}")
-        slices, reserve_s = [], {}
+        client = connect()
         try:
-            for _ in range(num_slices):
-                t1 = time.monotonic()
-                s = Slice.reserve(topo, timeout_s=120)
-                reserve_s[s.name] = time.monotonic() - t1
-                slices.append(s)
-                console.print(
-                    f"reserved {s.name}: {s.num_chips} chip workers, one JAX world "
-                    f"({s.world[0]['platform']} devices) in {reserve_s[s.name]:.1f}s"
-                )
-            sums, expected = {}, {}
-            for s in slices:
-                values = [np.float32(r + 1) for r in range(s.num_chips)]
-                got = s.all_reduce(values)
-                want = float(sum(values))
-                if not all(np.allclose(g, want) for g in got):
-                    raise RuntimeError(f"all-reduce on {s.name} returned {got}, want {want}")
-                sums[s.name], expected[s.name] = float(got[0]), want
-                console.print(
-                    f"all-reduce on {s.name}: every chip got {float(got[0]):g} "
-                    f"(= 1 + 2 + … + {s.num_chips})"
-                )
+            console.print("controller holds " + ", ".join(
+                f"{s.name} ({s.chips} chips)" for s in client.slices))
+            trainer = DataParallelTrainer(client, lambda p, b: loss_fn(p, b, cfg),
+                                          init_params(cfg), param_specs(cfg),
+                                          mesh_shape=mesh_shape, lr=cfg.lr)
+            losses, train_s, tps = _train(trainer, text, cfg, steps, batch, console)
             console.print(render_status(*collect_status()))
         finally:
-            for s in slices:
-                s.shutdown()
+            client.close()
     finally:
         fleet.shutdown()
+    plot = _plot(losses, text.entropy_rate, Path(out_dir) / "loss.png",
+                 f"{num_slices} x {topo.generation.name} {topo.name} (emulated)")
+    summary = Table(title="summary", title_justify="left", show_header=False)
+    for k, v in [("slices", f"{num_slices} x {topo.describe()}"),
+                 ("steps", str(steps)),
+                 ("loss", f"{losses[0]:.3f} -> {losses[-1]:.3f} (floor {text.entropy_rate:.3f})"),
+                 ("throughput", f"{tps:,.0f} tokens/s after the first step"),
+                 ("train time", f"{train_s:.1f}s (fleet up {fleet_up:.1f}s)"),
+                 ("loss curve", str(plot))]:
+        summary.add_row(k, v)
+    console.print(summary)
     console.print(f"done in {time.monotonic() - t0:.1f}s; every process stopped")
-    return DemoResult(fleet_up, reserve_s, sums, expected)
+    return DemoResult(fleet_up, losses, text.entropy_rate, tps, train_s, plot)
+
+
+def _train(trainer, text, cfg, steps: int, batch: int, console: Console):
+    rng = np.random.default_rng(0)
+    bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]}"),
+                   TimeElapsedColumn(), console=console)
+    losses: list[float] = []
+    tokens = batch * cfg.seq
+    t_start = time.monotonic()
+    t_first = None
+    pending = None
+    with bar:
+        task = bar.add_task("train", total=steps, loss="-", tps="")
+        for _ in range(steps):
+            result = trainer.step(text.batch(rng, batch, cfg.seq + 1))
+            if pending is not None:  # read the previous step's loss while this one runs
+                losses.append(pending.mean_loss())
+                if t_first is None:
+                    t_first = time.monotonic()
+                done = len(losses) - 1
+                tps = tokens * done / (time.monotonic() - t_first) if done else 0.0
+                bar.update(task, completed=len(losses), loss=f"{losses[-1]:.3f}",
+                           tps=f"{tps:,.0f} tok/s" if done else "compiling…")
+            pending = result
+        losses.append(pending.mean_loss())
+        bar.update(task, completed=len(losses), loss=f"{losses[-1]:.3f}")
+    t_end = time.monotonic()
+    steady = max(1, len(losses) - 1)
+    tps = tokens * steady / max(1e-9, t_end - (t_first or t_start))
+    return losses, t_end - t_start, tps
+
+
+def _plot(losses: list[float], floor: float, path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(range(1, len(losses) + 1), losses, label="training loss", color="#1f77b4")
+    ax.axhline(floor, ls="--", color="gray", label=f"entropy floor ({floor:.2f} nats)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats)")
+    ax.set_title(f"pathways-ray single controller: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path.resolve()

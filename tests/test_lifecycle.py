@@ -141,3 +141,20 @@ def test_cli_topology_defaults():
     assert _topology(parse(["up", "--accelerator", "v6e-16"])).name == "4x4"
     assert _topology(parse(["up", "--accelerator", "v5p", "--topology", "2x2x2"])).num_hosts == 2
     assert _topology(parse(["up", "--chips-per-host", "4"])).num_hosts == 2
+
+
+@pytest.mark.slow
+def test_main_job_trains_writes_plot_and_cleans_up(tmp_path):
+    """`pathways-ray demo` in small: the loss falls, the PNG is written, nothing is left."""
+    from rich.console import Console
+
+    from pathways_ray.demo import run_demo
+
+    before = ray_processes()
+    console = Console(record=True, width=120)
+    result = run_demo(steps=4, batch=16, out_dir=tmp_path, console=console)
+    text = console.export_text()
+    assert len(result.losses) == 4 and result.losses[-1] < result.losses[0]
+    assert result.plot.exists() and result.plot.stat().st_size > 10_000
+    assert "controller holds" in text and "ranks 0-3: 4 ok" in text and "summary" in text
+    assert leftovers(before) == []
