@@ -4,7 +4,9 @@ Public names only; implementation lives in the modules.
 """
 
 from pathways_ray.chip_worker import ChipWorker
+from pathways_ray.client import Client, Compiled, JitFunction, RemoteArray, connect, reshard
 from pathways_ray.cluster import HostView, SliceView
+from pathways_ray.controller import Controller
 from pathways_ray.errors import (
     FleetError,
     PathwaysError,
@@ -12,7 +14,9 @@ from pathways_ray.errors import (
     SliceLost,
     WorkerDied,
 )
+from pathways_ray.executor import RemoteError
 from pathways_ray.fleet import Fleet, LocalFleet
+from pathways_ray.program import Program
 from pathways_ray.slice import Slice, SliceWorker
 from pathways_ray.topology import Generation, Topology
 
@@ -20,6 +24,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChipWorker",
+    "Client",
+    "Compiled",
+    "Controller",
+    "JitFunction",
+    "Program",
+    "RemoteArray",
+    "RemoteError",
+    "connect",
+    "reshard",
     "Fleet",
     "FleetError",
     "Generation",

@@ -53,7 +53,8 @@ def _spec_of(sharding, ndim: int) -> tuple[MeshShape, Spec]:
 class RemoteArray:
     """A handle to an array on a slice: shape, dtype and sharding are here, bytes are not."""
 
-    __slots__ = ("__weakref__", "_client", "_id", "dtype", "mesh", "shape", "slice", "spec")
+    __slots__ = ("__weakref__", "_client", "_id", "_sig", "dtype", "mesh", "shape", "slice",
+                 "spec")
 
     def __init__(self, client: Client, buffer_id: int, slice_name: str, shape, dtype,
                  mesh: MeshShape, spec: Spec):
@@ -64,6 +65,7 @@ class RemoteArray:
         self.dtype = np.dtype(dtype)
         self.mesh = mesh
         self.spec = spec
+        self._sig = ArgSignature(self.shape, self.dtype.name, spec)  # hashed on every call
         weakref.finalize(self, client._free, slice_name, buffer_id)
 
     @property
@@ -76,7 +78,7 @@ class RemoteArray:
 
     @property
     def signature(self) -> ArgSignature:
-        return ArgSignature(self.shape, self.dtype.name, self.spec)
+        return self._sig
 
     @property
     def ndim(self) -> int:
