@@ -135,7 +135,6 @@ class JitFunction:
 
     def _program(self, *args):
         import jax
-        from jax.tree_util import keystr
 
         leaves, treedef = jax.tree.flatten(args)
         if all(type(x) is RemoteArray for x in leaves):  # fast path: a signature seen before
@@ -143,19 +142,7 @@ class JitFunction:
             hit = self.programs.get(key)
             if hit is not None and len({a.slice for a in leaves}) == 1:
                 return hit, leaves
-        flat, treedef = jax.tree_util.tree_flatten_with_path(args)
-        arrays = []
-        for path, leaf in flat:
-            if not isinstance(leaf, RemoteArray):
-                raise TypeError(f"args{keystr(path)} is a {type(leaf).__name__}; pass arrays "
-                                f"placed with client.device_put(...)")
-            arrays.append(leaf)
-        paths = [f"args{keystr(p)}" for p, _ in flat]
-        slices = {a.slice for a in arrays}
-        if len(slices) != 1:
-            where = ", ".join(f"{p} on {a.slice}" for p, a in zip(paths, arrays, strict=True))
-            raise ValueError(f"{self.fn.__name__}'s arguments live on different slices ({where});"
-                             f" move them with pathways_ray.reshard(x, sharding) first")
+        arrays, paths, treedef = _remote_args(args, getattr(self.fn, "__name__", "program"))
         meshes = {a.mesh for a in arrays}
         if len(meshes) != 1:
             raise ValueError(f"{self.fn.__name__}'s arguments use different meshes {meshes}")
@@ -188,6 +175,29 @@ class JitFunction:
         return self._client._run(program, out_tree, arrays, checked=True)
 
 
+def _remote_args(args: tuple, fun_name: str):
+    """Flatten call arguments: every leaf a RemoteArray, all on one slice.
+
+    Returns ``(arrays, paths, treedef)``; paths read like ``args[0]['w']``.
+    """
+    import jax
+    from jax.tree_util import keystr
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(args)
+    paths = [f"args{keystr(p)}" for p, _ in flat]
+    arrays = []
+    for path, (_, leaf) in zip(paths, flat, strict=True):
+        if not isinstance(leaf, RemoteArray):
+            raise TypeError(f"{path} is a {type(leaf).__name__}; pass arrays placed with "
+                            f"client.device_put(...)")
+        arrays.append(leaf)
+    if len({a.slice for a in arrays}) > 1:
+        where = ", ".join(f"{p} on {a.slice}" for p, a in zip(paths, arrays, strict=True))
+        raise ValueError(f"{fun_name}'s arguments live on different slices ({where}); move "
+                         f"them with pathways_ray.reshard(x, sharding, slice=...) first")
+    return arrays, paths, treedef
+
+
 def _default_out_specs(flat_fn, arrays: list[RemoteArray]):
     """Output shardings when none are given: the first argument of the same shape's,
     else replicated. (jax.jit lets XLA choose; the client must know them before anything
@@ -215,18 +225,7 @@ class Compiled:
         self._out_tree = out_tree
 
     def __call__(self, *args):
-        import jax
-        from jax.tree_util import keystr
-
-        flat, _ = jax.tree_util.tree_flatten_with_path(args)
-        arrays = []
-        for path, leaf in flat:
-            if not isinstance(leaf, RemoteArray):
-                raise TypeError(f"args{keystr(path)} is a {type(leaf).__name__}; pass arrays "
-                                f"placed with client.device_put(...)")
-            arrays.append(leaf)
-        if len({a.slice for a in arrays}) > 1:
-            raise ValueError(f"{self.program.fun_name}'s arguments live on different slices")
+        arrays, _, _ = _remote_args(args, self.program.fun_name)
         return self._client._run(self.program, self._out_tree, arrays)
 
 

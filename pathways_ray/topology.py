@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cached_property
 from math import prod
 
 __all__ = [
@@ -325,14 +324,6 @@ class Topology:
     @property
     def machine_type(self) -> str:
         return self.generation.machine_type(self.chips_per_host)
-
-    @cached_property
-    def host_shape(self) -> tuple[int, ...]:
-        """Chip shape of one host: 1x1, 2x2, 2x4 (2D) or 2x2x1 (3D)."""
-        n = self.chips_per_host
-        if self.generation.dims == 2:
-            return {1: (1, 1), 2: (1, 2), 4: (2, 2), 8: (2, 4)}[n]
-        return (2, 2, 1)
 
     def describe(self) -> str:
         hosts = "1 host" if self.num_hosts == 1 else f"{self.num_hosts} hosts"
