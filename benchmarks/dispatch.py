@@ -44,6 +44,7 @@ def make_step(iters: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=1.0, help="work per measurement")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions; medians are printed")
     ap.add_argument("--targets-ms", type=float, nargs="+", default=[1, 2, 5, 20, 50])
     args = ap.parse_args()
 
@@ -96,7 +97,7 @@ def main() -> None:
         unit_ms = max(per - base, 1e-6) * 1e3 / (iters - 1)
         print(f"slice {name}: 4 chips on {psutil.cpu_count()} CPUs; all-reduce step "
               f"{base * 1e3:.2f} ms + {unit_ms * 1e3:.1f} us per inner iteration; "
-              f"K steps = ~{args.seconds:g} s of work per run, median of 3")
+              f"K steps = ~{args.seconds:g} s of work per run, median of {args.reps}")
         print(f"{'step':>8} {'multi-ctrl':>12} {'controller':>12} {'ratio':>7} "
               f"{'dispatch CPU/step':>18}")
         for target in args.targets_ms:
@@ -104,9 +105,13 @@ def main() -> None:
             fn = client.jit(make_step(n))
             k = max(20, int(args.seconds * 1e3 / target))
             m_runs, s_runs, costs = [], [], []
-            for _ in range(3):
-                m_runs.append(multi(fn, k))
-                dt, cost = single(fn, k)
+            for rep in range(args.reps):  # alternate which mode goes first: less drift bias
+                if rep % 2:
+                    dt, cost = single(fn, k)
+                    m_runs.append(multi(fn, k))
+                else:
+                    m_runs.append(multi(fn, k))
+                    dt, cost = single(fn, k)
                 s_runs.append(dt)
                 costs.append(cost)
             m, s = statistics.median(m_runs), statistics.median(s_runs)

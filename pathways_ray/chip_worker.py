@@ -185,7 +185,7 @@ class ChipWorker:
     def stats(self) -> dict:
         ex = self.executor
         return {"buffers": len(ex.buffers), "programs": len(ex.programs),
-                "commands": ex.commands_run} if ex else {}
+                "commands": ex.commands_run, "batches": ex.batches_run} if ex else {}
 
     def shutdown_world(self) -> None:
         if self._mesh is not None:

@@ -68,6 +68,7 @@ class Executor:
         self.programs: dict[str, Callable] = {}
         self._meshes: dict[MeshShape, object] = {}
         self.commands_run = 0
+        self.batches_run = 0
 
     # ---- helpers -------------------------------------------------------------
     def mesh(self, shape: MeshShape):
@@ -123,6 +124,7 @@ class Executor:
 
     # ---- commands --------------------------------------------------------------
     def run(self, commands: list[tuple]) -> None:
+        self.batches_run += 1
         for cmd in commands:
             op = cmd[0]
             try:
