@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -353,7 +354,7 @@ class Client:
             self._wake.clear()
             if self._closed:
                 return
-            threading.Event().wait(self._flush_interval_s)
+            time.sleep(self._flush_interval_s)  # let a steady stream fill the batch
             try:
                 self.flush()
             except Exception:  # noqa: BLE001 - surfaced by the next sync call
