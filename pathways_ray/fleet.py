@@ -226,7 +226,7 @@ class LocalFleet(Fleet):
             slices = [topo] * num_slices
         if not slices:
             raise ValueError("slices=[] is empty; pass at least one slice to emulate")
-        self.topologies = [_as_topology(s) for s in slices]
+        self.topologies = [Topology.of(s) for s in slices]
         if not _NAME_RE.match(name or ""):
             raise ValueError(
                 f"name={name!r} must be 1-20 characters of a-z, 0-9 and '-', starting "
@@ -520,19 +520,6 @@ class LocalFleet(Fleet):
             f"Ray did not mark node {node_id[:8]} {'alive' if alive else 'dead'} within "
             f"timeout_s={timeout_s}"
         )
-
-
-def _as_topology(s: Topology | str) -> Topology:
-    if isinstance(s, Topology):
-        return s
-    if isinstance(s, str) and "-" in s:
-        gen, _, shape = s.rpartition("-")
-        if "x" in shape:
-            return Topology.parse(gen, shape)
-        return Topology.parse(s)
-    raise ValueError(
-        f"slices entry {s!r} must be a Topology or a string like 'v6e-4x4' or 'v5p-16'"
-    )
 
 
 def stop_fleet_processes(state: _State | None, grace_s: float = 5.0) -> int:

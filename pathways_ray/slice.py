@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathways_ray.chip_worker import ChipWorker
 from pathways_ray.cluster import describe_capacity, slices_from_nodes
 from pathways_ray.errors import ReservationTimeout, WorkerDied
+from pathways_ray.fleet import NAMESPACE
 from pathways_ray.topology import Topology
 from pathways_ray.worker_env import ChipInfo, rank_order
 
@@ -35,7 +36,6 @@ __all__ = ["Slice", "SliceWorker", "list_registered_slices"]
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "pathways-ray"
 RESERVE_TIMEOUT_ENV = "PATHWAYS_RAY_RESERVE_TIMEOUT_S"
 _KV_PREFIX = "pathways-ray/slice/"
 
@@ -59,23 +59,6 @@ class SliceWorker:
     info: ChipInfo
     actor_name: str
     handle: object  # ray.actor.ActorHandle
-
-
-def _as_topology(topology: Topology | str, chips_per_host: int | None) -> Topology:
-    if isinstance(topology, Topology):
-        if chips_per_host not in (None, topology.chips_per_host):
-            raise ValueError(
-                f"chips_per_host={chips_per_host} contradicts topology {topology.describe()}"
-            )
-        return topology
-    if isinstance(topology, str):
-        gen, _, shape = topology.rpartition("-")
-        if "x" in shape:
-            return Topology.parse(gen, shape, chips_per_host=chips_per_host)
-        return Topology.parse(topology, chips_per_host=chips_per_host)
-    raise TypeError(
-        f"topology={topology!r} must be a Topology or a string like 'v6e-4x4' or 'v6e-16'"
-    )
 
 
 def _capacity() -> str:
@@ -121,7 +104,7 @@ class Slice:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from ray.util.tpu import SlicePlacementGroup
 
-        topo = _as_topology(topology, chips_per_host)
+        topo = Topology.of(topology, chips_per_host=chips_per_host)
         if timeout_s is None:
             timeout_s = _default_reserve_timeout()
         if timeout_s <= 0:

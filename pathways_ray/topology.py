@@ -274,6 +274,25 @@ class Topology:
                 )
         return cls(generation=gen, shape=shape, chips_per_host=chips_per_host)
 
+    @classmethod
+    def of(cls, spec: Topology | str, *, chips_per_host: int | None = None) -> Topology:
+        """A ``Topology`` from itself, ``"v6e-4x4"`` (``str(topology)``) or a pod type
+        ``"v6e-16"``. ``chips_per_host`` must agree with a Topology passed in."""
+        if isinstance(spec, Topology):
+            if chips_per_host not in (None, spec.chips_per_host):
+                raise ValueError(
+                    f"chips_per_host={chips_per_host} contradicts topology {spec.describe()}"
+                )
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(
+                f"topology={spec!r} must be a Topology or a string like 'v6e-4x4' or 'v6e-16'"
+            )
+        gen, _, shape = spec.strip().rpartition("-")
+        if "x" in shape:
+            return cls.parse(gen, shape, chips_per_host=chips_per_host)
+        return cls.parse(spec, chips_per_host=chips_per_host)
+
     # ---- sizes ----------------------------------------------------------
     @property
     def name(self) -> str:

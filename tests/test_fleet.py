@@ -20,20 +20,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def fleet():
-    # A driver that asked for 8 fake CPU devices: chip workers must still get one each.
-    old = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    f = LocalFleet(num_slices=2, accelerator="v6e", topology="2x4", chips_per_host=4,
-                   name="tfleet")
-    try:
-        f.start()
+    # conftest gives this driver 8 fake CPU devices (XLA_FLAGS); the chip workers
+    # inherit that and must still get one device each.
+    assert "device_count=8" in os.environ["XLA_FLAGS"]
+    with LocalFleet(num_slices=2, accelerator="v6e", topology="2x4", chips_per_host=4,
+                    name="tfleet") as f:
         yield f
-    finally:
-        f.shutdown()
-        if old is None:
-            os.environ.pop("XLA_FLAGS", None)
-        else:
-            os.environ["XLA_FLAGS"] = old
 
 
 @pytest.fixture(scope="module")

@@ -188,3 +188,16 @@ def test_topology_is_a_frozen_value():
     assert a == b and hash(a) == hash(b)
     with pytest.raises(AttributeError):
         a.chips_per_host = 8  # type: ignore[misc]
+
+
+def test_of_accepts_topologies_names_and_pod_types():
+    """Topology.of reads what str(topology) writes, pod types, and checks chips_per_host."""
+    t = Topology.parse("v6e", "2x4", chips_per_host=4)
+    assert Topology.of(t) is t
+    assert Topology.of(str(t), chips_per_host=4) == t
+    assert Topology.of("v5p-2x2x2").num_hosts == 2
+    assert Topology.of("v6e-16").name == "4x4"
+    with pytest.raises(ValueError, match="chips_per_host=8 contradicts"):
+        Topology.of(t, chips_per_host=8)
+    with pytest.raises(TypeError, match="topology=3"):
+        Topology.of(3)
