@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 PLATFORM_ENV = "PATHWAYS_RAY_PLATFORM"
 
 
-def _detect_platform() -> str:
+def detect_platform() -> str:
+    """``"tpu"`` where this host has TPU chips, ``"cpu"`` on an emulated host
+    (``$PATHWAYS_RAY_PLATFORM`` overrides)."""
     forced = os.environ.get(PLATFORM_ENV)
     if forced:
         if forced not in ("cpu", "tpu"):
@@ -53,7 +55,7 @@ class ChipWorker:
             node_id=ctx.get_node_id(),
             ip=ray.util.get_node_ip_address(),
             pid=os.getpid(),
-            platform=_detect_platform(),
+            platform=detect_platform(),
         )
         self.rank: int | None = None
         self._mesh = None

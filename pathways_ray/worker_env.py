@@ -45,15 +45,17 @@ def rank_order(infos: Sequence[ChipInfo]) -> list[int]:
     return [seen[k] for k in sorted(seen)]
 
 
-def cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """Env for an emulated chip: JAX on one XLA CPU device.
+def cpu_env(environ: Mapping[str, str], devices: int = 1) -> dict[str, str]:
+    """Env for a process owning ``devices`` emulated chips: one XLA CPU device each.
 
     Workers inherit ``XLA_FLAGS`` from wherever they were started (a driver
     that asked for 8 fake devices would give every chip 8), so the device-count
     flag is replaced, other flags kept.
     """
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r} must be a positive integer (chips owned)")
     flags = _DEVICE_COUNT_FLAG.sub("", environ.get("XLA_FLAGS", "")).split()
-    flags.append("--xla_force_host_platform_device_count=1")
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
     # Many emulated chips share the machine's cores: each chip computes on one thread
     # instead of every chip spinning a pool as wide as the machine.
     if not any(f.startswith("--xla_cpu_multi_thread_eigen") for f in flags):
@@ -64,6 +66,8 @@ def cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
         # XLA's INFO/WARNING lines (gloo peer counts, the preemption notifier) would be
         # echoed to the driver by every chip; errors still show. The user's choice wins.
         "TF_CPP_MIN_LOG_LEVEL": environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        # Collectives between emulated chips (processes) run over gloo, as ICI would on TPU.
+        "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
     }
 
 
