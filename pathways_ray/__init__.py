@@ -15,7 +15,7 @@ from pathways_ray.errors import (
     WorkerDied,
 )
 from pathways_ray.executor import RemoteError
-from pathways_ray.fleet import Fleet, LocalFleet
+from pathways_ray.fleet import Fleet, LocalFleet, cluster_or_local
 from pathways_ray.program import Program
 from pathways_ray.slice import Slice, SliceWorker
 from pathways_ray.topology import Generation, Topology
@@ -31,6 +31,7 @@ __all__ = [
     "Program",
     "RemoteArray",
     "RemoteError",
+    "cluster_or_local",
     "connect",
     "reshard",
     "Fleet",

@@ -32,7 +32,7 @@ from pathways_ray.cluster import SliceView, slices_from_nodes
 from pathways_ray.errors import FleetError
 from pathways_ray.topology import Topology
 
-__all__ = ["Fleet", "HostPlan", "LocalFleet", "plan_hosts"]
+__all__ = ["Fleet", "HostPlan", "LocalFleet", "cluster_or_local", "plan_hosts"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,20 @@ class Fleet:
 
 
 ProgressFn = Callable[[str, int, int], None]
+
+
+def cluster_or_local(address: str | None = None, **local_fleet_kwargs) -> Fleet | LocalFleet:
+    """Where a script runs: the cluster at ``address`` or ``$RAY_ADDRESS`` (set for the
+    entrypoint of ``ray job submit``), else a new ``LocalFleet(**local_fleet_kwargs)``.
+
+    Use it as a context manager: an attached cluster keeps running afterwards, a
+    local fleet is stopped.
+    """
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        return Fleet.attach(address)
+    return LocalFleet(**local_fleet_kwargs)
+
 
 
 @dataclass

@@ -21,11 +21,13 @@ These hook into Ray 2.60's internal ``TrainController.worker_group_cls`` and
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
 
 import ray
+from ray.train.v2._internal.execution.callback import ReportCallback
 from ray.train.v2._internal.execution.context import DistributedContext
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
@@ -173,8 +175,35 @@ class TpuWorkerGroup(WorkerGroup):
         return workers
 
 
+class LatestMetrics(ReportCallback):
+    """Remembers rank 0's latest reported metrics, checkpoint or not."""
+
+    def __init__(self):
+        self.metrics: dict | None = None
+
+    def after_report(self, training_report, metrics):
+        self.metrics = training_report.metrics
+
+
 class TpuTrainController(TrainController):
+    """Ray Train's controller with ``TpuWorkerGroup``.
+
+    ``Result.metrics`` is documented as the latest reported metrics, but Ray 2.60
+    fills it from the latest *checkpoint* only (None for a run that reports
+    without checkpoints); here it falls back to the latest report.
+    """
+
     worker_group_cls = TpuWorkerGroup
+
+    def __init__(self, *args, callbacks=None, **kwargs):
+        self._latest = next((c for c in callbacks or [] if isinstance(c, LatestMetrics)), None)
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+
+    def _build_result(self):
+        result = super()._build_result()
+        if result.metrics is None and self._latest is not None:
+            result = dataclasses.replace(result, metrics=self._latest.metrics)
+        return result
 
 
 def _has_dashboard() -> bool:
@@ -212,7 +241,7 @@ class TpuControllerMixin:
             PlacementGroupCleanerCallback,
         )
 
-        callbacks = super()._create_default_callbacks()
+        callbacks = super()._create_default_callbacks() + [LatestMetrics()]
         if _has_dashboard():
             return callbacks
         # The cleaner asks the dashboard's State API about the controller every second;

@@ -1,0 +1,60 @@
+"""A small causal transformer LM in PyTorch, on the same synthetic text as ``pathways_ray.lm``.
+
+Shared by the PyTorch examples, their tests and ``benchmarks/trainer_overhead.py``.
+Batches are a pure function of (seed, step), so any number of workers can cut
+the same global batch into shards, and a single process can replay it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from pathways_ray.lm import MarkovText
+
+__all__ = ["TinyLM", "global_batch", "lm_loss", "shard_rows"]
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 64, seq: int = 32, d_model: int = 64, heads: int = 4,
+                 layers: int = 2, d_ff: int = 256):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.1)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, heads, d_ff, dropout=0.0, batch_first=True,
+                                       norm_first=True, activation="gelu")
+            for _ in range(layers))
+        self.out = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:t]
+        for block in self.blocks:
+            x = block(x, src_mask=self.mask[:t, :t], is_causal=True)
+        return self.out(x)
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``batch`` (int64 [B, seq + 1])."""
+    logits = model(batch[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       batch[:, 1:].reshape(-1))
+
+
+def global_batch(text: MarkovText, *, seed: int, step: int, batch: int, seq: int) -> torch.Tensor:
+    """The global batch of ``step``: the same on every worker and in a single process."""
+    rng = np.random.default_rng([seed, step])
+    return torch.from_numpy(text.batch(rng, batch, seq + 1)).long()
+
+
+def shard_rows(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Worker ``rank``'s contiguous share of a global batch."""
+    if len(batch) % world:
+        raise ValueError(f"a global batch of {len(batch)} rows does not split over {world} "
+                         f"workers; make the batch a multiple of {world}")
+    per = len(batch) // world
+    return batch[rank * per:(rank + 1) * per]
