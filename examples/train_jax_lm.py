@@ -24,19 +24,15 @@ import tempfile
 import time
 
 import numpy as np
-
 import ray.train
-from pathways_ray import Topology, cluster_or_local
-from pathways_ray.fleet import base_dir
+
 from pathways_ray.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs, sgd_update
 from pathways_ray.trainers import (
     Checkpoint,
-    CheckpointConfig,
     JaxTrainer,
-    RunConfig,
-    ScalingConfig,
     get_client,
 )
+from pathways_ray.trainers.cli import add_slice_args, fit_on_slices, slice_topology
 
 
 def _batch(text: MarkovText, config: dict, step: int) -> np.ndarray:
@@ -146,40 +142,19 @@ def train_loop_single_controller(config: dict) -> None:
 
 def main(argv: list[str] | None = None) -> ray.train.Result:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_slice_args(ap, topology="2x2", slices=2, name="jax-lm")
     ap.add_argument("--mode", choices=["multi_controller", "single_controller"],
                     default="multi_controller")
-    ap.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else a local "
-                    "emulated fleet)")
-    ap.add_argument("--accelerator", default="v6e")
-    ap.add_argument("--topology", default="2x2")
-    ap.add_argument("--chips-per-host", type=int)
-    ap.add_argument("--slices", type=int, default=2)
     ap.add_argument("--model-parallel", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=32, help="global batch (rows)")
     ap.add_argument("--lr", type=float, default=0.2)
-    ap.add_argument("--report-every", type=int, default=10)
-    ap.add_argument("--storage-path", default=str(base_dir() / "runs"))
-    ap.add_argument("--name", help="run name (default: jax-lm-<mode>)")
     args = ap.parse_args(argv)
-    topo = Topology.parse(args.accelerator, args.topology, chips_per_host=args.chips_per_host)
+    topo = slice_topology(args)
     config = {"seed": 0, "steps": args.steps, "batch": args.batch, "lr": args.lr,
               "model_parallel": args.model_parallel, "report_every": args.report_every}
     loop = train_loop if args.mode == "multi_controller" else train_loop_single_controller
-    with cluster_or_local(args.address, slices=[topo] * args.slices, name="jax-lm"):
-        trainer = JaxTrainer(
-            loop,
-            train_loop_config=config,
-            mode=args.mode,
-            scaling_config=ScalingConfig(
-                use_tpu=True, accelerator_type=topo.accelerator_type, topology=topo.name,
-                chips_per_host=topo.chips_per_host, num_workers=topo.chips * args.slices,
-                resources_per_worker={"TPU": 1}),
-            run_config=RunConfig(name=args.name or f"jax-lm-{args.mode}",
-                                 storage_path=args.storage_path,
-                                 checkpoint_config=CheckpointConfig(num_to_keep=2)),
-        )
-        result = trainer.fit()
+    args.name = f"{args.name}-{args.mode}"
+    result = fit_on_slices(JaxTrainer, loop, config, args, mode=args.mode)
     m = result.metrics
     print(f"final loss {m['loss']:.4f} after {m['step']} steps on {args.slices} x "
           f"{topo.describe()} ({args.mode}); {m['tokens_per_s']:,.0f} tokens/s; checkpoint "

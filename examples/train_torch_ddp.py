@@ -16,21 +16,17 @@ import os
 import tempfile
 import time
 
+import ray.train
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import ray.train
-from pathways_ray import Topology, cluster_or_local
-from pathways_ray.fleet import base_dir
 from pathways_ray.lm import MarkovText
 from pathways_ray.trainers import (
     Checkpoint,
-    CheckpointConfig,
-    RunConfig,
-    ScalingConfig,
     TorchTrainer,
 )
+from pathways_ray.trainers.cli import add_slice_args, fit_on_slices, slice_topology
 from pathways_ray.trainers.torch import get_device
 from pathways_ray.trainers.torch_lm import TinyLM, global_batch, lm_loss, shard_rows
 
@@ -101,34 +97,14 @@ def reference_losses(config: dict) -> list[float]:
 
 def main(argv: list[str] | None = None) -> ray.train.Result:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else a local "
-                    "emulated fleet)")
-    ap.add_argument("--accelerator", default="v6e")
-    ap.add_argument("--topology", default="2x4")
-    ap.add_argument("--chips-per-host", type=int)
-    ap.add_argument("--slices", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=30)
+    add_slice_args(ap, topology="2x4", slices=1, name="torch-ddp")
     ap.add_argument("--batch", type=int, default=64, help="global batch (rows)")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--report-every", type=int, default=10)
-    ap.add_argument("--storage-path", default=str(base_dir() / "runs"))
-    ap.add_argument("--name", default="torch-ddp")
     args = ap.parse_args(argv)
-    topo = Topology.parse(args.accelerator, args.topology, chips_per_host=args.chips_per_host)
+    topo = slice_topology(args)
     config = {"seed": 0, "steps": args.steps, "batch": args.batch, "seq": 32, "lr": args.lr,
               "report_every": args.report_every}
-    with cluster_or_local(args.address, slices=[topo] * args.slices, name="torch-ddp"):
-        trainer = TorchTrainer(
-            train_loop,
-            train_loop_config=config,
-            scaling_config=ScalingConfig(
-                use_tpu=True, accelerator_type=topo.accelerator_type, topology=topo.name,
-                chips_per_host=topo.chips_per_host, num_workers=topo.chips * args.slices,
-                resources_per_worker={"TPU": 1}),
-            run_config=RunConfig(name=args.name, storage_path=args.storage_path,
-                                 checkpoint_config=CheckpointConfig(num_to_keep=2)),
-        )
-        result = trainer.fit()
+    result = fit_on_slices(TorchTrainer, train_loop, config, args)  # one worker per chip
     m = result.metrics
     print(f"final loss {m['loss']:.4f} after {m['step']} steps on {args.slices} x "
           f"{topo.describe()}; {m['tokens_per_s']:,.0f} tokens/s; checkpoint "
