@@ -25,3 +25,12 @@ def test_public_names():
     for name in ("Topology", "LocalFleet", "Fleet", "Slice", "connect", "reshard",
                  "RemoteArray", "Controller", "RemoteError", "ReservationTimeout"):
         assert name in pr.__all__ and hasattr(pr, name), name
+
+
+def test_trainers_import_torch_only_when_asked():
+    """`pathways_ray.trainers` serves JAX users without torch; TorchTrainer loads it."""
+    code = ("import sys, pathways_ray.trainers as t; before = 'torch' in sys.modules; "
+            "t.TorchTrainer; print(before, 'torch' in sys.modules, sorted(t.__all__)[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180, check=True).stdout.strip()
+    assert out == "False True ['Checkpoint', 'CheckpointConfig', 'FailureConfig']", out
