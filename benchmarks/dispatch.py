@@ -46,10 +46,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0, help="work per measurement")
     ap.add_argument("--reps", type=int, default=5, help="repetitions; medians are printed")
     ap.add_argument("--targets-ms", type=float, nargs="+", default=[1, 2, 5, 20, 50])
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="commands per batch at the client (default: connect()'s)")
     args = ap.parse_args()
 
     with LocalFleet(num_slices=1, accelerator="v6e", topology="2x2", name="bdisp"):
-        client = connect()
+        client = connect() if args.max_batch is None else connect(max_batch=args.max_batch)
         ctl = client._controller
         me = psutil.Process()
         ctl_proc = psutil.Process(ray.get(ctl.pid.remote()))

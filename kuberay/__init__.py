@@ -7,6 +7,7 @@ from ``pathways_ray.kuberay.client``.
 
 from .manifests import (
     ClusterConfig,
+    example_entrypoint,
     openai_serve_config,
     ray_cluster,
     ray_job,
@@ -19,6 +20,7 @@ __all__ = [
     "ClusterConfig",
     "SchemaError",
     "crd_schema",
+    "example_entrypoint",
     "openai_serve_config",
     "ray_cluster",
     "ray_job",

@@ -103,8 +103,9 @@ def register(sub) -> dict:
     _cluster_flags(c)
     j = rs.add_parser("job", help="a RayJob running a training script on a TPU cluster")
     _cluster_flags(j)
-    j.add_argument("--entrypoint", default="python examples/train_jax_lm.py",
-                   help="the command, as for `ray job submit --` (default: the JAX LM example)")
+    j.add_argument("--entrypoint", default=None,
+                   help="the command, as for `ray job submit --` (default: the JAX LM example "
+                        "on the slices of --accelerator/--topology/--slices)")
     j.add_argument("--working-dir", default=None,
                    help="remote URI of the code (https://…zip, gs://…) for runtime_env")
     j.add_argument("--pip", action="append", default=[], help="pip package for runtime_env")
@@ -138,7 +139,14 @@ def register(sub) -> dict:
 
 def run(args) -> int:
     from .client import KubeRayError
-    from .manifests import openai_serve_config, ray_cluster, ray_job, ray_service, to_yaml
+    from .manifests import (
+        example_entrypoint,
+        openai_serve_config,
+        ray_cluster,
+        ray_job,
+        ray_service,
+        to_yaml,
+    )
 
     if args.k8s_command == "render":
         cfg = _config(args)
@@ -150,7 +158,8 @@ def run(args) -> int:
                 runtime_env["working_dir"] = args.working_dir
             if args.pip:
                 runtime_env["pip"] = args.pip
-            manifest = ray_job(cfg, args.entrypoint, runtime_env=runtime_env or None,
+            entrypoint = args.entrypoint or example_entrypoint(cfg)
+            manifest = ray_job(cfg, entrypoint, runtime_env=runtime_env or None,
                                ttl_seconds_after_finished=args.ttl_seconds)
         else:
             manifest = ray_service(cfg, openai_serve_config(

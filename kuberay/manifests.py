@@ -268,6 +268,16 @@ def ray_cluster(cfg: ClusterConfig) -> dict:
                     "metadata": _metadata(cfg), "spec": _cluster_spec(cfg)})
 
 
+def example_entrypoint(cfg: ClusterConfig, script: str = "examples/train_jax_lm.py") -> str:
+    """The command that runs a training example on exactly the slices ``cfg`` asks for."""
+    topo = cfg.tpu
+    cmd = (f"python {script} --accelerator {topo.generation.name} --topology {topo.name} "
+           f"--slices {cfg.num_slices}")
+    if cfg.chips_per_host is not None:
+        cmd += f" --chips-per-host {topo.chips_per_host}"
+    return cmd
+
+
 def ray_job(
     cfg: ClusterConfig,
     entrypoint: str,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .manifests import (
     ClusterConfig,
+    example_entrypoint,
     openai_serve_config,
     ray_cluster,
     ray_job,
@@ -34,13 +35,15 @@ SAMPLES: dict[str, Callable[[], dict]] = {
         ClusterConfig(name="pathways-v5p-16x2", accelerator="v5p", topology="2x2x2",
                       num_slices=2, min_slices=1, max_slices=4, image=IMAGE)
     ),
-    "ray-job.v6e-4x4-train-jax-lm.yaml": lambda: ray_job(
-        ClusterConfig(name="train-jax-lm", accelerator="v6e", topology="4x4", image=IMAGE),
-        "python examples/train_jax_lm.py",
-        runtime_env={"working_dir": "https://github.com/my-org/pathways-ray/archive/main.zip"},
-    ),
+    "ray-job.v6e-4x4-train-jax-lm.yaml": lambda: _job(),
     "ray-service.v6e-4x4-llm.yaml": lambda: _service(),
 }
+
+
+def _job() -> dict:
+    cfg = ClusterConfig(name="train-jax-lm", accelerator="v6e", topology="4x4", image=IMAGE)
+    return ray_job(cfg, example_entrypoint(cfg), runtime_env={
+        "working_dir": "https://github.com/my-org/pathways-ray/archive/main.zip"})
 
 
 def _service() -> dict:

@@ -258,3 +258,22 @@ def test_checked_in_samples_are_what_the_generators_render(name):
     assert path.read_text() == render(name), f"{name} is stale; re-render the samples"
     for doc in yaml.safe_load_all(path.read_text()):
         validate(doc)
+
+
+def test_job_entrypoint_runs_the_example_on_the_jobs_slices():
+    """The default RayJob command asks the example for exactly the cluster's slices."""
+    import argparse
+    import shlex
+
+    from pathways_ray.kuberay import example_entrypoint
+    from pathways_ray.trainers.cli import add_slice_args, slice_topology
+
+    cfg = ClusterConfig(name="t", accelerator="v6e", topology="2x4", chips_per_host=4,
+                        num_slices=2)
+    cmd = shlex.split(example_entrypoint(cfg))
+    assert cmd[:2] == ["python", "examples/train_jax_lm.py"]
+    ap = argparse.ArgumentParser()
+    add_slice_args(ap, topology="2x2", slices=1, name="x")
+    args = ap.parse_args(cmd[2:])
+    assert (slice_topology(args), args.slices) == (cfg.tpu, 2)
+    assert cfg.tpu.num_hosts == 2
