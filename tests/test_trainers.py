@@ -138,6 +138,41 @@ def test_torch_ddp_across_two_slices_matches_one_process(fleet, tmp_path):
                                rtol=1e-5)
 
 
+def _fail_once(config: dict) -> None:
+    """Rank 1 fails after the first checkpoint; the retry resumes from it."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    ctx = ray.train.get_context()
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        with tempfile.TemporaryDirectory() as d:
+            if ctx.get_world_rank() == 0:
+                Path(d, "attempt").write_text("0")
+            ray.train.report({"attempt": 0}, checkpoint=ray.train.Checkpoint.from_directory(d)
+                             if ctx.get_world_rank() == 0 else None)
+        if ctx.get_world_rank() == 1:
+            raise RuntimeError("injected failure on rank 1")
+        dist.barrier()  # the others fail here, when rank 1's process group goes away
+    with checkpoint.as_directory() as d:
+        attempt = int(Path(d, "attempt").read_text()) + 1
+    ray.train.report({"attempt": attempt, "world": ctx.get_world_size(),
+                      "slice": os.environ["TPU_NAME"]})
+
+
+def test_failure_config_retries_on_a_fresh_reservation(fleet, tmp_path):
+    """A worker error tears the group down (slice heads released) and FailureConfig
+    retries on a new reservation, resuming from the checkpoint."""
+    from pathways_ray.trainers import FailureConfig
+
+    cfg = RunConfig(name="retry", storage_path=str(tmp_path / "runs"),
+                    failure_config=FailureConfig(max_failures=1))
+    result = TorchTrainer(_fail_once, scaling_config=tpu_scaling("2x2"), run_config=cfg).fit()
+    assert result.metrics["attempt"] == 1 and result.metrics["world"] == 4
+    assert result.metrics["slice"].startswith("v6e-2x2-")
+
+
 JAX_CFG = {"seed": 0, "steps": 8, "batch": 32, "lr": 0.2, "model_parallel": 2,
            "report_every": 4}
 

@@ -189,8 +189,9 @@ class TpuTrainController(TrainController):
     """Ray Train's controller with ``TpuWorkerGroup``.
 
     ``Result.metrics`` is documented as the latest reported metrics, but Ray 2.60
-    fills it from the latest *checkpoint* only (None for a run that reports
-    without checkpoints); here it falls back to the latest report.
+    fills it from the latest *checkpoint* (None for a run that reports without
+    checkpoints, stale after reports without one); here it is the latest report
+    when there is one. Checkpoints keep their own metrics (``best_checkpoints``).
     """
 
     worker_group_cls = TpuWorkerGroup
@@ -201,7 +202,7 @@ class TpuTrainController(TrainController):
 
     def _build_result(self):
         result = super()._build_result()
-        if result.metrics is None and self._latest is not None:
+        if self._latest is not None and self._latest.metrics is not None:
             result = dataclasses.replace(result, metrics=self._latest.metrics)
         return result
 

@@ -1,0 +1,29 @@
+"""Building a chip's block from the pieces that overlap it (pure)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pathways_ray.executor import assemble
+
+
+def test_one_exact_piece_is_used_as_is():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    block = (slice(0, 3), slice(0, 4))
+    out = assemble(block, "float32", [(block, x)])
+    assert np.shares_memory(out, x)  # no copy here; the device_put after it copies
+    np.testing.assert_array_equal(out, x)
+
+
+def test_pieces_from_another_sharding_compose_the_block():
+    full = np.arange(64, dtype=np.int32).reshape(8, 8)
+    rows = [((slice(r, r + 2), slice(0, 8)), full[r:r + 2]) for r in range(0, 8, 2)]
+    block = (slice(1, 7), slice(4, 8))
+    np.testing.assert_array_equal(assemble(block, "int32", rows), full[1:7, 4:8])
+
+
+def test_a_gap_is_an_error():
+    block = (slice(0, 4),)
+    with pytest.raises(ValueError, match="cover 2 of the 4 elements"):
+        assemble(block, "float32", [((slice(0, 2),), np.zeros(2, np.float32))])
