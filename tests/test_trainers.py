@@ -173,6 +173,65 @@ def test_failure_config_retries_on_a_fresh_reservation(fleet, tmp_path):
     assert result.metrics["slice"].startswith("v6e-2x2-")
 
 
+def _elastic_loop(config: dict) -> None:
+    """Report the world size each step; the checkpoint carries the history across resizes."""
+    import json
+    import tempfile
+    import time
+
+    ctx = ray.train.get_context()
+    worlds: list[int] = []
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            worlds = json.loads(Path(d, "worlds.json").read_text())
+    if ctx.get_world_rank() == 0:
+        Path(config["marker"]).write_text(str(ctx.get_world_size()))
+    for _ in range(60):
+        time.sleep(0.5)
+        worlds.append(ctx.get_world_size())
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "worlds.json").write_text(json.dumps(worlds))
+            ray.train.report({"worlds": worlds}, checkpoint=ray.train.Checkpoint.from_directory(d)
+                             if ctx.get_world_rank() == 0 else None)
+        if worlds.count(8) >= 3:
+            return
+
+
+def test_elastic_starts_on_free_slices_and_grows_back(fleet, tmp_path):
+    """num_workers=(4, 8) with one of the two 2x2 slices taken: the run starts on the
+    free one (Ray's own count would wait for both) and grows to 8 once it is released."""
+    import threading
+    import time
+
+    from pathways_ray import Slice
+
+    held = Slice.reserve("v6e-2x2")
+    marker = tmp_path / "started"
+
+    def release_once_running():
+        deadline = time.monotonic() + 300
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        held.shutdown()
+
+    releaser = threading.Thread(target=release_once_running, daemon=True)
+    releaser.start()
+    try:
+        scaling = ScalingConfig(use_tpu=True, accelerator_type="TPU-V6E", topology="2x2",
+                                num_workers=(4, 8), resources_per_worker={"TPU": 1},
+                                elastic_resize_monitor_interval_s=2)
+        result = TorchTrainer(_elastic_loop, train_loop_config={"marker": str(marker)},
+                              scaling_config=scaling,
+                              run_config=run_config(tmp_path, "elastic")).fit()
+    finally:
+        releaser.join(timeout=310)
+        held.shutdown()
+    worlds = result.metrics["worlds"]
+    assert worlds[0] == 4 and worlds[-1] == 8, worlds
+    assert worlds == sorted(worlds)
+
+
 JAX_CFG = {"seed": 0, "steps": 8, "batch": 32, "lr": 0.2, "model_parallel": 2,
            "report_every": 4}
 

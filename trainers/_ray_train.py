@@ -30,6 +30,7 @@ import ray
 from ray.train.v2._internal.execution.callback import ReportCallback
 from ray.train.v2._internal.execution.context import DistributedContext
 from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 from ray.train.v2._internal.execution.worker_group.placement_group_handle import (
     SlicePlacementGroupHandle,
@@ -56,12 +57,19 @@ def tpu_plan(scaling_config) -> TpuPlan | None:
     )
 
 
+# Slices the worker group of this process (the Ray Train controller) holds right now;
+# the elastic policy in the same process counts them as usable.
+_held_slices: set[str] = set()
+
+
 class _SlicesHandle(SlicePlacementGroupHandle):
     """A ``SlicePlacementGroup`` plus the slice-head reservations we made for it."""
 
-    def __init__(self, spg, head_pgs: list):
+    def __init__(self, spg, head_pgs: list, slice_names: list[str]):
         super().__init__(spg)
         self._head_pgs = head_pgs
+        self._slice_names = slice_names
+        _held_slices.update(slice_names)
 
     def shutdown(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -75,6 +83,7 @@ class _SlicesHandle(SlicePlacementGroupHandle):
                 except Exception:  # noqa: BLE001 (already gone with its node)
                     logger.debug("slice head reservation already removed", exc_info=True)
             self._head_pgs = []
+            _held_slices.difference_update(self._slice_names)
 
 
 def reserve_slices(plan: TpuPlan, num_slices: int, resources_per_worker: dict,
@@ -109,9 +118,9 @@ def reserve_slices(plan: TpuPlan, num_slices: int, resources_per_worker: dict,
         for pg in heads:
             remove_placement_group(pg)
         raise
-    logger.info("reserved %d x %s: slices %s", num_slices, topo.describe(),
-                sorted({s[SLICE_LABEL] for s in selectors}))
-    return _SlicesHandle(spg, heads)
+    names = sorted({s[SLICE_LABEL] for s in selectors})
+    logger.info("reserved %d x %s: slices %s", num_slices, topo.describe(), names)
+    return _SlicesHandle(spg, heads, names)
 
 
 def _chip_position() -> tuple[str, int, int]:
@@ -141,6 +150,34 @@ def rank_tpu_workers(workers: list, starting_world_rank: int = 0,
             node_rank=nodes.index(w.metadata.node_id),
         )
     return ranked
+
+
+def usable_slices(plan: TpuPlan) -> list[str]:
+    """Slices of ``plan``'s shape this run could use now: idle ones and its own."""
+    from ray._private.state import available_resources_per_node
+
+    from pathways_ray.cluster import slices_from_nodes
+
+    views = slices_from_nodes(ray.nodes(), available_resources_per_node())
+    return sorted(v.name for v in views
+                  if v.intact and v.topology == plan.topology
+                  and (v.idle or v.name in _held_slices))
+
+
+class TpuElasticScalingPolicy(ElasticScalingPolicy):
+    """Ray's elastic policy, counting only slices that are free (or already ours).
+
+    Ray's count of "intact" slices includes slices other jobs hold, so with one
+    of two slices busy it asks for both and the start times out. Here a run with
+    ``num_workers=(min, max)`` starts on the slices that are free, continues on
+    N-1 when a slice is lost and grows back when one frees up (Ray Train
+    restarts the worker group at the new size, from the last checkpoint).
+    """
+
+    def _get_strict_tpu_worker_count(self, total_num_workers: int) -> int:
+        plan = tpu_plan(self.scaling_config)
+        slices = min(total_num_workers // plan.workers_per_slice, len(usable_slices(plan)))
+        return slices * plan.workers_per_slice
 
 
 class TpuWorkerGroup(WorkerGroup):
@@ -256,6 +293,10 @@ class TpuControllerMixin:
             get_env_vars_to_propagate,
         )
 
+        policy = controller_init_kwargs.get("scaling_policy")
+        if type(policy) is ElasticScalingPolicy and tpu_plan(policy.scaling_config):
+            controller_init_kwargs["scaling_policy"] = TpuElasticScalingPolicy(
+                policy.scaling_config)
         env_vars = get_env_vars_to_propagate()
         env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                             DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
