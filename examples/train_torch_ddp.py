@@ -18,7 +18,6 @@ import time
 
 import ray.train
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from pathways_ray.lm import MarkovText
@@ -28,7 +27,7 @@ from pathways_ray.trainers import (
 )
 from pathways_ray.trainers.cli import add_slice_args, fit_on_slices, slice_topology
 from pathways_ray.trainers.torch import get_device
-from pathways_ray.trainers.torch_lm import TinyLM, global_batch, lm_loss, shard_rows
+from pathways_ray.trainers.torch_lm import TinyLM, global_batch, shard_rows, train_step
 
 
 def train_loop(config: dict) -> None:
@@ -53,13 +52,7 @@ def train_loop(config: dict) -> None:
     for step in range(start, config["steps"]):
         batch = global_batch(text, seed=config["seed"], step=step, batch=config["batch"],
                              seq=config["seq"])
-        loss = lm_loss(ddp, shard_rows(batch, rank, world).to(device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # the global batch's loss, for reporting
-        losses.append(mean.item() / world)
+        losses.append(train_step(ddp, opt, shard_rows(batch, rank, world).to(device)))
         done = step + 1
         if done % config["report_every"] and done != config["steps"]:
             continue
@@ -86,12 +79,8 @@ def reference_losses(config: dict) -> list[float]:
     text = MarkovText(64, seed=config["seed"])
     losses = []
     for step in range(config["steps"]):
-        loss = lm_loss(model, global_batch(text, seed=config["seed"], step=step,
-                                           batch=config["batch"], seq=config["seq"]))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, global_batch(
+            text, seed=config["seed"], step=step, batch=config["batch"], seq=config["seq"])))
     return losses
 
 

@@ -17,7 +17,6 @@ import time
 
 import ray.train
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -29,7 +28,7 @@ from pathways_ray.trainers import (
 )
 from pathways_ray.trainers.cli import add_slice_args, fit_on_slices, slice_topology
 from pathways_ray.trainers.torch import get_device
-from pathways_ray.trainers.torch_lm import TinyLM, global_batch, lm_loss, shard_rows
+from pathways_ray.trainers.torch_lm import TinyLM, global_batch, shard_rows, train_step
 
 
 def train_loop(config: dict) -> None:
@@ -59,13 +58,7 @@ def train_loop(config: dict) -> None:
     for step in range(start, config["steps"]):
         batch = global_batch(text, seed=config["seed"], step=step, batch=config["batch"],
                              seq=config["seq"])
-        loss = lm_loss(model, shard_rows(batch, rank, world).to(device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(train_step(model, opt, shard_rows(batch, rank, world).to(device)))
         done = step + 1
         if done % config["report_every"] and done != config["steps"]:
             continue

@@ -13,7 +13,7 @@ from torch import nn
 
 from pathways_ray.lm import MarkovText
 
-__all__ = ["TinyLM", "global_batch", "lm_loss", "shard_rows"]
+__all__ = ["TinyLM", "global_batch", "lm_loss", "shard_rows", "train_step"]
 
 
 class TinyLM(nn.Module):
@@ -58,3 +58,19 @@ def shard_rows(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
                          f"workers; make the batch a multiple of {world}")
     per = len(batch) // world
     return batch[rank * per:(rank + 1) * per]
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    """One optimizer step on this worker's ``batch``; returns the loss of the global
+    batch (the mean over the process group's workers, when there is a group)."""
+    import torch.distributed as dist
+
+    loss = lm_loss(model, batch)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    mean = loss.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+    return mean.item()
