@@ -482,6 +482,7 @@ def connect(slices: list | None = None, *, reserve_timeout_s: float = 120.0,
     cache on every chip (``None`` turns it off).
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from pathways_ray.controller import Controller
 
@@ -494,7 +495,12 @@ def connect(slices: list | None = None, *, reserve_timeout_s: float = 120.0,
     env = {"env_vars": {"RAY_IGNORE_UNHANDLED_ERRORS": "1"}}
     if compilation_cache_dir == "default":
         compilation_cache_dir = default_compilation_cache_dir()
-    actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=env)(Controller).remote(
+    # The controller runs beside its client (as Ray Train's controller runs beside the
+    # driver): off the TPU hosts, whose CPUs and memory belong to the chips, and one
+    # local hop from the client that feeds it every step.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=env,
+                       scheduling_strategy=here)(Controller).remote(
         specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir)
     return Client(actor, max_batch=max_batch)
 
