@@ -25,6 +25,7 @@ from ray.train.backend import Backend
 from ray.train.v2.jax import JaxTrainer as _RayJaxTrainer
 from ray.train.v2.jax.config import JaxConfig
 
+from pathways_ray.chip_worker import detect_platform
 from pathways_ray.trainers._ray_train import TpuControllerMixin, tpu_plan
 
 __all__ = ["JaxTrainer", "TpuJaxConfig", "get_client"]
@@ -57,19 +58,11 @@ class TpuJaxConfig(JaxConfig):
         return _TpuJaxBackend
 
 
-def _platform() -> str:
-    from pathways_ray.chip_worker import detect_platform
-
-    return detect_platform()
-
-
-def _init_jax(coordinator: str, num_processes: int, process_id: int, chips: int,
-              extra_env: dict[str, str], timeout_s: float) -> dict:
+def _init_jax(coordinator: str, num_processes: int, process_id: int, platform: str,
+              chips: int, extra_env: dict[str, str], timeout_s: float) -> dict:
     """Join the JAX world on this worker (before the train loop imports JAX)."""
-    from pathways_ray.chip_worker import detect_platform
     from pathways_ray.worker_env import cpu_env
 
-    platform = detect_platform()
     env = cpu_env(os.environ, devices=chips) if platform == "cpu" else {"JAX_PLATFORMS": "tpu"}
     if platform == "tpu" and "JAX_PLATFORMS" in os.environ:
         env.pop("JAX_PLATFORMS")  # the user's choice wins on real hosts
@@ -112,7 +105,7 @@ class _TpuJaxBackend(Backend):
         n = len(worker_group)
         num_slices = worker_group.get_worker_group_context().num_slices
         per_slice = n // num_slices
-        platforms = set(worker_group.execute(_platform))
+        platforms = set(worker_group.execute(detect_platform))
         if len(platforms) != 1:
             raise RuntimeError(f"workers disagree on their platform: {sorted(platforms)}; a "
                                f"run cannot mix TPU hosts and emulated ones")
@@ -144,7 +137,7 @@ class _TpuJaxBackend(Backend):
         infos = ray.get([
             worker_group.execute_single_async(
                 i, _init_jax, coordinator=f"{addr}:{port}", num_processes=n, process_id=i,
-                chips=plan.chips_per_worker, extra_env=envs[i],
+                platform=platform, chips=plan.chips_per_worker, extra_env=envs[i],
                 timeout_s=backend_config.init_timeout_s)
             for i in range(n)])
         logger.info("JAX world: %d processes on %s (%s), %d devices", n, plan.describe(),
