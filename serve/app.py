@@ -1,0 +1,170 @@
+"""Ray Serve LLM on TPU slices: the config, the app, and running it with deadlines.
+
+Everything that serves is Ray Serve LLM's (``LLMConfig``, ``build_openai_app``,
+its OpenAI ingress and ``LLMServer``) and vLLM's; this module only decides how
+a slice becomes a replica and waits for it with a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+
+from pathways_ray.errors import PathwaysError
+from pathways_ray.fleet import base_dir
+from pathways_ray.serve.plan import PLATFORMS, llm_config_dict, slice_topology
+
+__all__ = [
+    "cpu_engine_env",
+    "detect_platform",
+    "llm_config",
+    "openai_app",
+    "serve_llm",
+    "shutdown_llm",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_engine_env() -> dict[str, str]:
+    """Env for vLLM's CPU engine on an emulated host (each fact cost a failed start):
+    OpenMP binding off (hosts share the cores; ``all`` is not a value it takes), a
+    bounded KV cache, and vLLM's caches and ZMQ sockets under the pathways-ray
+    directory instead of ``/tmp`` and ``~`` (the socket directory must exist)."""
+    root = base_dir() / "vllm"
+    rpc = root / "rpc"
+    rpc.mkdir(parents=True, exist_ok=True)
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(root / "cache"),
+        "VLLM_RPC_BASE_PATH": str(rpc),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def detect_platform(accelerator: str = "v6e", timeout_s: float = 60.0) -> str:
+    """``"tpu"`` or ``"cpu"`` (emulated), asked of a TPU host of the connected cluster."""
+    from pathways_ray.chip_worker import detect_platform as on_host
+
+    accel = slice_topology(accelerator, None if "-" in accelerator else "2x2").accelerator_type
+    ref = ray.remote(on_host).options(
+        num_cpus=0, label_selector={"ray.io/accelerator-type": accel}).remote()
+    ready, _ = ray.wait([ref], timeout=timeout_s)
+    if not ready:
+        ray.cancel(ref, force=True)
+        raise PathwaysError(
+            f"no {accel} host answered within timeout_s={timeout_s:g}s; is a TPU slice of "
+            f"that generation in the cluster? (`pathways-ray status`)")
+    return ray.get(ref)
+
+
+def llm_config(
+    model: str,
+    *,
+    accelerator: str = "v6e",
+    topology: str | None = "4x4",
+    chips_per_host: int | None = None,
+    model_source: str | None = None,
+    tensor_parallel_size: int | None = None,
+    enable_expert_parallel: bool = True,
+    max_model_len: int = 8192,
+    num_slices: int | tuple[int, int] = 1,
+    platform: str = "tpu",
+    engine_kwargs: Mapping[str, Any] | None = None,
+    env_vars: Mapping[str, str] | None = None,
+    deployment_config: Mapping[str, Any] | None = None,
+):
+    """A Ray Serve LLM ``LLMConfig`` serving ``model`` with one replica per TPU slice.
+
+    ``llm_config("Qwen/Qwen3-30B-A3B", accelerator="v6e", topology="4x4")`` is the
+    v6e 4x4 replica with 16-way tensor parallelism, expert parallelism and 8192
+    tokens of context. ``model="smollm2"`` is the small model bundled for the
+    emulated fleet; ``platform="cpu"`` runs vLLM's CPU engine there.
+    """
+    from ray.serve.llm import LLMConfig
+
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r} must be one of {PLATFORMS}")
+    from pathways_ray.serve.models import resolve_model
+
+    model_id, bundled_source = resolve_model(model)
+    env = dict(cpu_engine_env() if platform == "cpu" else {})
+    env.update(env_vars or {})
+    return LLMConfig(**llm_config_dict(
+        model_id, accelerator=accelerator, topology=topology, chips_per_host=chips_per_host,
+        model_source=model_source or bundled_source,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_expert_parallel=enable_expert_parallel, max_model_len=max_model_len,
+        num_slices=num_slices, platform=platform, engine_kwargs=engine_kwargs,
+        env_vars=env, deployment_config=deployment_config))
+
+
+def openai_app(*configs):
+    """Ray Serve LLM's OpenAI-compatible app (``/v1/models``, ``/v1/chat/completions``,
+    ``/v1/completions``) over one or more ``LLMConfig``s."""
+    from ray.serve.llm import build_openai_app
+
+    if not configs:
+        raise ValueError("openai_app() needs at least one LLMConfig (see llm_config(...))")
+    return build_openai_app({"llm_configs": list(configs)})
+
+
+def serve_llm(*configs, name: str = "llm", host: str = "127.0.0.1", port: int = 8000,
+              timeout_s: float = 900.0, progress=None) -> str:
+    """Deploy the OpenAI app for ``configs`` on the connected cluster, wait until it is
+    RUNNING, and return its base URL (``http://host:port/v1``).
+
+    One HTTP proxy on the head node (emulated hosts share one IP, so a proxy per
+    node would fight over the port). Raises ``PathwaysError`` with Serve's own
+    message if a replica fails to start or the app is not up within ``timeout_s``.
+    """
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+    serve.run_many([serve.RunTarget(openai_app(*configs), name=name, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False,
+                   wait_for_applications_running=False)
+    t0 = time.monotonic()
+    last = None
+    while True:
+        app = serve.status().applications.get(name)
+        status = app.status if app else None
+        if status != last and progress:
+            progress(f"app {name}: {status}", time.monotonic() - t0)
+        last = status
+        if status == ApplicationStatus.RUNNING:
+            return f"http://{host}:{port}/v1"
+        if status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
+            detail = "; ".join(f"{d}: {s.message}" for d, s in app.deployments.items()
+                               if s.message) or app.message
+            raise PathwaysError(f"Serve app {name!r} is {status.value}: {detail}")
+        if time.monotonic() - t0 > timeout_s:
+            detail = app.message if app else "not created"
+            raise PathwaysError(
+                f"Serve app {name!r} not RUNNING after timeout_s={timeout_s:g}s (status "
+                f"{status}, {detail}); a first start converts the model and loads vLLM, "
+                f"~1-2 min on 2 cores")
+        time.sleep(1.0)
+
+
+def shutdown_llm(name: str | None = "llm", timeout_s: float = 120.0) -> None:
+    """Delete the app (``name=None``: stop Serve itself), releasing its slices."""
+    from ray import serve
+
+    if name is None:
+        serve.shutdown()
+        return
+    serve.delete(name, _blocking=False)
+    t0 = time.monotonic()
+    while name in serve.status().applications:
+        if time.monotonic() - t0 > timeout_s:
+            raise PathwaysError(f"Serve app {name!r} still deleting after timeout_s="
+                                f"{timeout_s:g}s")
+        time.sleep(0.5)

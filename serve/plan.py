@@ -1,0 +1,160 @@
+"""A TPU slice, turned into a Ray Serve LLM config. Pure: no Ray, no vLLM.
+
+One replica owns one whole slice. On TPUs the engine shards the model over
+every chip of the slice (``tensor_parallel_size`` = chips) and Ray Serve LLM
+reserves the slice with a ``SlicePlacementGroup`` from the ``accelerator_type``
+and the topology in ``accelerator_config``. Autoscaling between ``min_slices``
+and ``max_slices`` replicas adds and removes whole slices.
+
+On the emulated fleet (``platform="cpu"``) the engine is vLLM's CPU build,
+which runs its workers as local processes (vLLM has no Ray executor on CPU),
+so a replica is one engine on one emulated TPU host. The replica still holds
+the slice's chips: its placement group asks for the host's ``TPU`` chips and
+the slice's ``TPU-<pod>-head`` resource, as a real slice reservation does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pathways_ray.topology import Topology
+
+__all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "llm_config_dict", "slice_topology"]
+
+PLATFORMS = ("tpu", "cpu")
+
+# What vLLM's CPU engine needs to start cleanly on an emulated host (facts measured
+# here): no torch.compile (it adds minutes), and no OpenMP pinning (the emulated hosts
+# share the machine's cores, and `all` is not a valid value).
+ENGINE_ARG_DEFAULTS = {
+    "tpu": {},
+    "cpu": {"enforce_eager": True},
+}
+
+
+def slice_topology(accelerator: str, topology: str | None,
+                   chips_per_host: int | None = None) -> Topology:
+    try:
+        return Topology.parse(accelerator, topology, chips_per_host=chips_per_host)
+    except ValueError as e:
+        raise ValueError(f"accelerator={accelerator!r}, topology={topology!r}: {e}") from None
+
+
+def _slices(num_slices: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(num_slices, int) and not isinstance(num_slices, bool):
+        lo = hi = num_slices
+    elif (isinstance(num_slices, tuple) and len(num_slices) == 2
+          and all(isinstance(n, int) and not isinstance(n, bool) for n in num_slices)):
+        lo, hi = num_slices
+    else:
+        raise ValueError(
+            f"num_slices={num_slices!r} must be a whole number of slices (one replica each) "
+            f"or a (min, max) pair for autoscaling, e.g. num_slices=(1, 4)")
+    if lo < 0 or hi < 1 or lo > hi:
+        raise ValueError(
+            f"num_slices={num_slices!r} needs 0 <= min <= max and max >= 1, "
+            f"e.g. num_slices=2 or num_slices=(1, 4)")
+    return lo, hi
+
+
+def llm_config_dict(
+    model_id: str,
+    *,
+    accelerator: str = "v6e",
+    topology: str | None = "4x4",
+    chips_per_host: int | None = None,
+    model_source: str | None = None,
+    tensor_parallel_size: int | None = None,
+    enable_expert_parallel: bool = True,
+    max_model_len: int = 8192,
+    num_slices: int | tuple[int, int] = 1,
+    platform: str = "tpu",
+    engine_kwargs: Mapping[str, Any] | None = None,
+    env_vars: Mapping[str, str] | None = None,
+    deployment_config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of ``ray.serve.llm.LLMConfig`` for one slice per replica.
+
+    The seed example, v6e 4x4 with 16-way tensor parallelism::
+
+        llm_config_dict("Qwen/Qwen3-30B-A3B", accelerator="v6e", topology="4x4")
+        # accelerator_type="TPU-V6E", accelerator_config={"kind": "tpu", "topology": "4x4"},
+        # engine_kwargs={"tensor_parallel_size": 16, "enable_expert_parallel": True,
+        #                "max_model_len": 8192}, autoscaling 1..1 replicas
+    """
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise ValueError(
+            f"model_id={model_id!r} must name the model clients ask for, e.g. 'Qwen/Qwen3-8B'")
+    if platform not in PLATFORMS:
+        raise ValueError(
+            f"platform={platform!r} must be 'tpu' (vLLM on TPU chips) or 'cpu' (vLLM's CPU "
+            f"engine on an emulated TPU host)")
+    topo = slice_topology(accelerator, topology, chips_per_host)
+    if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1:
+        raise ValueError(f"max_model_len={max_model_len!r} must be a positive whole number "
+                         f"of tokens, e.g. 8192")
+    lo, hi = _slices(num_slices)
+    extra = dict(engine_kwargs or {})
+    for key in ("model", "served_model_name", "tensor_parallel_size"):
+        if key in extra:
+            raise ValueError(
+                f"engine_kwargs[{key!r}] is set by llm_config itself; pass "
+                + ("model_id/model_source" if key != "tensor_parallel_size"
+                   else "tensor_parallel_size=") + " instead")
+
+    if platform == "tpu":
+        tp = topo.chips if tensor_parallel_size is None else tensor_parallel_size
+        if tp != topo.chips:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must equal the {topo.chips} chips of "
+                f"{topo.describe()}: one replica owns a whole slice; pick a smaller "
+                f"topology to use fewer chips")
+    else:
+        if not topo.is_single_host:
+            raise ValueError(
+                f"topology={topo.name!r} spans {topo.num_hosts} hosts, but on the emulated "
+                f"fleet (platform='cpu') vLLM's CPU engine runs on one host; use a single-host "
+                f"slice such as 2x2, or 2x4 with chips_per_host=8")
+        tp = 1 if tensor_parallel_size is None else tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1 or tp > topo.chips:
+            raise ValueError(
+                f"tensor_parallel_size={tp!r} must be 1..{topo.chips} (the chips of "
+                f"{topo.describe()}) on the emulated fleet")
+
+    kwargs: dict[str, Any] = {
+        **ENGINE_ARG_DEFAULTS[platform],
+        "tensor_parallel_size": tp,
+        "max_model_len": max_model_len,
+    }
+    if enable_expert_parallel and platform == "tpu":
+        kwargs["enable_expert_parallel"] = True
+    kwargs.update(extra)
+
+    deploy = dict(deployment_config or {})
+    if "num_replicas" in deploy or "autoscaling_config" in deploy:
+        raise ValueError(
+            "deployment_config sets replicas itself; pass num_slices=N or (min, max) instead")
+    deploy["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi,
+                                    "initial_replicas": max(lo, 1)}
+
+    config: dict[str, Any] = {
+        "model_loading_config": {"model_id": model_id,
+                                 **({"model_source": model_source} if model_source else {})},
+        "engine_kwargs": kwargs,
+        "deployment_config": deploy,
+    }
+    if platform == "tpu":
+        config["accelerator_type"] = topo.accelerator_type
+        config["accelerator_config"] = {"kind": "tpu", "topology": topo.name}
+    else:
+        # vLLM's CPU engine with Ray Serve LLM's CPU backend; the bundle is the slice's
+        # one host: every chip plus the slice-head resource only worker 0 of a slice has.
+        config["accelerator_config"] = {"kind": "cpu"}
+        config["placement_group_config"] = {
+            "bundles": [{"CPU": 1, "TPU": topo.chips_per_host, topo.head_resource: 1}],
+            "strategy": "STRICT_PACK",
+        }
+    if env_vars:
+        config["runtime_env"] = {"env_vars": {str(k): str(v) for k, v in env_vars.items()}}
+    return config

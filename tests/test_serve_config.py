@@ -1,0 +1,111 @@
+"""A TPU slice -> Ray Serve LLM config: pure planning, then Ray Serve LLM's own
+validation and placement of what we build (no cluster, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pathways_ray.serve import llm_config_dict
+
+
+def test_v6e_4x4_is_the_seed_example():
+    cfg = llm_config_dict("Qwen/Qwen3-30B-A3B", accelerator="v6e", topology="4x4")
+    assert cfg["accelerator_type"] == "TPU-V6E"
+    assert cfg["accelerator_config"] == {"kind": "tpu", "topology": "4x4"}
+    assert cfg["engine_kwargs"] == {"tensor_parallel_size": 16, "enable_expert_parallel": True,
+                                    "max_model_len": 8192}
+    assert cfg["model_loading_config"] == {"model_id": "Qwen/Qwen3-30B-A3B"}
+    assert cfg["deployment_config"]["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 1, "initial_replicas": 1}
+    assert "placement_group_config" not in cfg  # Ray Serve LLM reserves the slice itself
+
+
+@pytest.mark.parametrize("accelerator,topology,chips_per_host,chips,accel_type", [
+    ("v6e", "2x2", None, 4, "TPU-V6E"),
+    ("v6e", "2x4", None, 8, "TPU-V6E"),
+    ("v6e", "8x8", None, 64, "TPU-V6E"),
+    ("v5e", "4x4", None, 16, "TPU-V5LITEPOD"),
+    ("v5p", "2x2x2", None, 8, "TPU-V5P"),
+    ("v4", "2x2x4", None, 16, "TPU-V4"),
+    ("v6e-16", None, None, 16, "TPU-V6E"),
+])
+def test_other_generations_and_shapes(accelerator, topology, chips_per_host, chips,
+                                      accel_type):
+    cfg = llm_config_dict("m", accelerator=accelerator, topology=topology,
+                          chips_per_host=chips_per_host)
+    assert cfg["engine_kwargs"]["tensor_parallel_size"] == chips
+    assert cfg["accelerator_type"] == accel_type
+
+
+def test_autoscaling_one_replica_per_slice():
+    cfg = llm_config_dict("m", topology="2x4", num_slices=(1, 4))
+    assert cfg["deployment_config"]["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 4, "initial_replicas": 1}
+    assert llm_config_dict("m", topology="2x4", num_slices=(0, 2))["deployment_config"][
+        "autoscaling_config"]["initial_replicas"] == 1
+
+
+def test_emulated_replica_holds_its_slice_host():
+    cfg = llm_config_dict("smollm2", topology="2x2", platform="cpu", max_model_len=2048,
+                          model_source="/ckpt", env_vars={"A": 1})
+    assert cfg["accelerator_config"] == {"kind": "cpu"}
+    assert "accelerator_type" not in cfg
+    assert cfg["placement_group_config"] == {
+        "bundles": [{"CPU": 1, "TPU": 4, "TPU-v6e-4-head": 1}], "strategy": "STRICT_PACK"}
+    assert cfg["engine_kwargs"] == {"enforce_eager": True, "tensor_parallel_size": 1,
+                                    "max_model_len": 2048}
+    assert cfg["model_loading_config"] == {"model_id": "smollm2", "model_source": "/ckpt"}
+    assert cfg["runtime_env"] == {"env_vars": {"A": "1"}}
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"model_id": ""}, "model_id"),
+    ({"accelerator": "v9"}, "accelerator='v9'"),
+    ({"topology": "3x3"}, "topology='3x3'"),
+    ({"topology": "2x2x2"}, "topology='2x2x2'"),          # v6e is 2D
+    ({"tensor_parallel_size": 8}, "tensor_parallel_size=8"),  # 4x4 has 16 chips
+    ({"max_model_len": 0}, "max_model_len=0"),
+    ({"num_slices": 0}, "num_slices=0"),
+    ({"num_slices": (3, 2)}, "num_slices=(3, 2)"),
+    ({"num_slices": "2"}, "num_slices='2'"),
+    ({"platform": "gpu"}, "platform='gpu'"),
+    ({"engine_kwargs": {"tensor_parallel_size": 2}}, "engine_kwargs['tensor_parallel_size']"),
+    ({"engine_kwargs": {"model": "x"}}, "engine_kwargs['model']"),
+    ({"deployment_config": {"num_replicas": 2}}, "num_slices"),
+    ({"platform": "cpu", "topology": "4x4"}, "topology='4x4'"),  # 4 hosts: not on vLLM CPU
+    ({"platform": "cpu", "topology": "2x2", "tensor_parallel_size": 8},
+     "tensor_parallel_size=8"),
+])
+def test_bad_combinations_name_the_field(kwargs, field):
+    kwargs = {"model_id": "m", **kwargs}
+    with pytest.raises(ValueError) as e:
+        llm_config_dict(kwargs.pop("model_id"), **kwargs)
+    assert field in str(e.value)
+
+
+# ---- what Ray Serve LLM itself makes of these configs ----------------------------
+serve_llm = pytest.importorskip("ray.serve.llm", reason="needs vLLM (./run.sh test installs it)")
+
+
+def _engine(cfg: dict):
+    return serve_llm.LLMConfig(**cfg).get_engine_config()
+
+
+def test_ray_serve_llm_reserves_the_4x4_slice_as_4_hosts_of_4_chips():
+    engine = _engine(llm_config_dict("Qwen/Qwen3-30B-A3B", topology="4x4"))
+    # 16-way tensor parallelism over 4 hosts x 4 chips, deferred to a SlicePlacementGroup
+    assert engine.tensor_parallel_degree == 16
+    assert engine.placement_bundles == [{"TPU": 4, "accelerator_type:TPU-V6E": 0.001}] * 4
+    assert engine.accelerator.requires_deferred_placement_group
+    assert engine.get_initialization_kwargs()["distributed_executor_backend"] == "ray"
+    assert engine.get_initialization_kwargs()["enable_expert_parallel"] is True
+
+
+def test_ray_serve_llm_takes_the_emulated_config():
+    engine = _engine(llm_config_dict("smollm2", topology="2x2", platform="cpu",
+                                     model_source="/ckpt"))
+    assert not engine.accelerator.requires_deferred_placement_group
+    assert engine.placement_bundles == [{"CPU": 1, "TPU": 4, "TPU-v6e-4-head": 1}]
+    kwargs = engine.get_initialization_kwargs()
+    assert kwargs["distributed_executor_backend"] == "mp"  # vLLM has no Ray executor on CPU
+    assert kwargs["model"] == "/ckpt" and kwargs["served_model_name"] == ["smollm2"]
