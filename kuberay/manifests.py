@@ -331,38 +331,19 @@ def openai_serve_config(
     """Ray Serve config for an OpenAI-compatible vLLM app, one replica per slice.
 
     The replica spans the whole slice: ``tensor_parallel_size`` = chips of the
-    slice, placed by Ray Serve LLM on the slice's topology.
+    slice, placed by Ray Serve LLM on the slice's topology (see
+    ``pathways_ray.serve.llm_config_dict``).
     """
-    if not isinstance(model_id, str) or not model_id.strip():
-        raise ValueError(f"model_id={model_id!r} must name the model, e.g. 'Qwen/Qwen3-30B-A3B'")
-    if not isinstance(max_model_len, int) or max_model_len < 1:
-        raise ValueError(f"max_model_len={max_model_len!r} must be a positive whole number")
+    from pathways_ray.serve import plan
+
     tpu = cfg.tpu
-    kwargs = {
-        "tensor_parallel_size": tpu.chips,
-        "enable_expert_parallel": bool(enable_expert_parallel),
-        "max_model_len": max_model_len,
-        **(engine_kwargs or {}),
-    }
-    llm_config = {
-        "model_loading_config": {"model_id": model_id,
-                                 **({"model_source": model_source} if model_source else {})},
-        "accelerator_type": tpu.accelerator_type,
-        "accelerator_config": {"kind": "tpu", "topology": tpu.name},
-        "engine_kwargs": kwargs,
-        "deployment_config": {"autoscaling_config": {"min_replicas": cfg.min_replicas,
-                                                     "max_replicas": cfg.max_replicas}},
-    }
-    return {
-        "applications": [
-            {
-                "name": "llm",
-                "route_prefix": "/",
-                "import_path": "ray.serve.llm:build_openai_app",
-                "args": {"llm_configs": [llm_config]},
-            }
-        ]
-    }
+    llm = plan.llm_config_dict(
+        model_id, accelerator=tpu.generation.name, topology=tpu.name,
+        chips_per_host=tpu.chips_per_host, model_source=model_source,
+        enable_expert_parallel=enable_expert_parallel, max_model_len=max_model_len,
+        num_slices=(cfg.min_replicas, cfg.max_replicas), initial_slices=cfg.num_slices,
+        engine_kwargs=engine_kwargs)
+    return plan.openai_serve_config(llm)
 
 
 def ray_service(cfg: ClusterConfig, serve_config: dict) -> dict:

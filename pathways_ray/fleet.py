@@ -102,7 +102,8 @@ def _ray_cli() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def _ensure_connected(address: str, namespace: str = NAMESPACE) -> None:
+def _ensure_connected(address: str, namespace: str = NAMESPACE,
+                      log_to_driver: bool = True) -> None:
     import ray
 
     if ray.is_initialized():
@@ -114,7 +115,7 @@ def _ensure_connected(address: str, namespace: str = NAMESPACE) -> None:
             f"{address}; call ray.shutdown() first"
         )
     ray.init(address=address, namespace=namespace, logging_level="WARNING",
-             log_to_driver=True)
+             log_to_driver=log_to_driver)
 
 
 class Fleet:
@@ -124,7 +125,7 @@ class Fleet:
         self.address = address
 
     @classmethod
-    def attach(cls, address: str = "auto") -> Fleet:
+    def attach(cls, address: str = "auto", *, log_to_driver: bool = True) -> Fleet:
         """Connect this process to a running Ray cluster (``ray.init(address=...)``).
 
         Authentication comes from the environment as for any Ray driver
@@ -132,7 +133,7 @@ class Fleet:
         """
         import ray
 
-        _ensure_connected(address)
+        _ensure_connected(address, log_to_driver=log_to_driver)
         return cls(ray.get_runtime_context().gcs_address)
 
     def slices(self) -> list[SliceView]:
@@ -159,17 +160,19 @@ class Fleet:
 ProgressFn = Callable[[str, int, int], None]
 
 
-def cluster_or_local(address: str | None = None, **local_fleet_kwargs) -> Fleet | LocalFleet:
+def cluster_or_local(address: str | None = None, *, log_to_driver: bool = True,
+                     **local_fleet_kwargs) -> Fleet | LocalFleet:
     """Where a script runs: the cluster at ``address`` or ``$RAY_ADDRESS`` (set for the
     entrypoint of ``ray job submit``), else a new ``LocalFleet(**local_fleet_kwargs)``.
 
     Use it as a context manager: an attached cluster keeps running afterwards, a
-    local fleet is stopped.
+    local fleet is stopped. ``log_to_driver=False`` keeps the workers' logs out of
+    this process's output (they stay in the Ray session's log files).
     """
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        return Fleet.attach(address)
-    return LocalFleet(**local_fleet_kwargs)
+        return Fleet.attach(address, log_to_driver=log_to_driver)
+    return LocalFleet(log_to_driver=log_to_driver, **local_fleet_kwargs)
 
 
 
@@ -230,6 +233,7 @@ class LocalFleet(Fleet):
         start_timeout_s: float = 120.0,
         connect: bool = True,
         detach: bool = False,
+        log_to_driver: bool = True,
     ):
         if slices is None:
             if not isinstance(num_slices, int) or num_slices < 1:
@@ -256,6 +260,7 @@ class LocalFleet(Fleet):
         self.start_timeout_s = start_timeout_s
         self.connect = connect
         self.detach = detach
+        self.log_to_driver = log_to_driver
         self.dir = base_dir() / name
         self.token_path = self.dir / "auth_token"
         self.fleet_id = ""
@@ -334,7 +339,7 @@ class LocalFleet(Fleet):
             self._wait_started(procs, t0, progress=progress, offset=1, total=total)
             if self.connect:
                 _auth.use_token(self.token_path)
-                _ensure_connected(self.address)
+                _ensure_connected(self.address, log_to_driver=self.log_to_driver)
                 self._wait_registered(t0)
         except BaseException:
             self.shutdown()

@@ -4,12 +4,13 @@ per slice. ``llm_config_dict`` (pure) and the model helpers import no Ray Serve;
 when first used."""
 
 from pathways_ray.serve.models import BUNDLED_MODELS, resolve_model, smollm2_checkpoint
-from pathways_ray.serve.plan import llm_config_dict
+from pathways_ray.serve.plan import llm_config_dict, openai_serve_config
 
 _LAZY = {"cpu_engine_env", "detect_platform", "llm_config", "openai_app", "serve_llm",
          "shutdown_llm"}
 
-__all__ = ["BUNDLED_MODELS", "llm_config_dict", "resolve_model", "smollm2_checkpoint",
+__all__ = ["BUNDLED_MODELS", "llm_config_dict", "openai_serve_config", "resolve_model",
+           "smollm2_checkpoint",
            *sorted(_LAZY)]
 
 

@@ -30,11 +30,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def _serve_llm_module():
+    """``ray.serve.llm``, imported without letting it take over this process's logging
+    (its import sets the root logger to INFO with its own handler, which turns every
+    library's INFO lines, e.g. each HTTP request of the openai client, into output)."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    import ray.serve.llm
+
+    root.setLevel(level)
+    root.handlers = handlers
+    return ray.serve.llm
+
+
 def cpu_engine_env() -> dict[str, str]:
     """Env for vLLM's CPU engine on an emulated host (each fact cost a failed start):
     OpenMP binding off (hosts share the cores; ``all`` is not a value it takes), a
-    bounded KV cache, and vLLM's caches and ZMQ sockets under the pathways-ray
-    directory instead of ``/tmp`` and ``~`` (the socket directory must exist)."""
+    bounded KV cache, and vLLM's caches and ZMQ sockets under the pathways-ray directory
+    instead of ``/tmp`` and ``~`` (the socket directory must exist)."""
     root = base_dir() / "vllm"
     rpc = root / "rpc"
     rpc.mkdir(parents=True, exist_ok=True)
@@ -87,7 +100,7 @@ def llm_config(
     tokens of context. ``model="smollm2"`` is the small model bundled for the
     emulated fleet; ``platform="cpu"`` runs vLLM's CPU engine there.
     """
-    from ray.serve.llm import LLMConfig
+    LLMConfig = _serve_llm_module().LLMConfig
 
     if platform not in PLATFORMS:
         raise ValueError(f"platform={platform!r} must be one of {PLATFORMS}")
@@ -108,7 +121,7 @@ def llm_config(
 def openai_app(*configs):
     """Ray Serve LLM's OpenAI-compatible app (``/v1/models``, ``/v1/chat/completions``,
     ``/v1/completions``) over one or more ``LLMConfig``s."""
-    from ray.serve.llm import build_openai_app
+    build_openai_app = _serve_llm_module().build_openai_app
 
     if not configs:
         raise ValueError("openai_app() needs at least one LLMConfig (see llm_config(...))")
@@ -127,6 +140,9 @@ def serve_llm(*configs, name: str = "llm", host: str = "127.0.0.1", port: int = 
     from ray import serve
     from ray.serve.schema import ApplicationStatus
 
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        # Serve's driver-side logger prints each deployment's options at INFO.
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     serve.run_many([serve.RunTarget(openai_app(*configs), name=name, route_prefix="/")],
                    wait_for_ingress_deployment_creation=False,

@@ -20,7 +20,8 @@ from typing import Any
 
 from pathways_ray.topology import Topology
 
-__all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "llm_config_dict", "slice_topology"]
+__all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "llm_config_dict", "openai_serve_config",
+           "slice_topology"]
 
 PLATFORMS = ("tpu", "cpu")
 
@@ -69,6 +70,7 @@ def llm_config_dict(
     enable_expert_parallel: bool = True,
     max_model_len: int = 8192,
     num_slices: int | tuple[int, int] = 1,
+    initial_slices: int | None = None,
     platform: str = "tpu",
     engine_kwargs: Mapping[str, Any] | None = None,
     env_vars: Mapping[str, str] | None = None,
@@ -95,6 +97,10 @@ def llm_config_dict(
         raise ValueError(f"max_model_len={max_model_len!r} must be a positive whole number "
                          f"of tokens, e.g. 8192")
     lo, hi = _slices(num_slices)
+    initial = max(lo, 1) if initial_slices is None else initial_slices
+    if not isinstance(initial, int) or not lo <= initial <= hi:
+        raise ValueError(f"initial_slices={initial_slices!r} must be within num_slices="
+                         f"{num_slices!r}")
     extra = dict(engine_kwargs or {})
     for key in ("model", "served_model_name", "tensor_parallel_size"):
         if key in extra:
@@ -122,13 +128,10 @@ def llm_config_dict(
                 f"tensor_parallel_size={tp!r} must be 1..{topo.chips} (the chips of "
                 f"{topo.describe()}) on the emulated fleet")
 
-    kwargs: dict[str, Any] = {
-        **ENGINE_ARG_DEFAULTS[platform],
-        "tensor_parallel_size": tp,
-        "max_model_len": max_model_len,
-    }
+    kwargs: dict[str, Any] = {**ENGINE_ARG_DEFAULTS[platform], "tensor_parallel_size": tp}
     if enable_expert_parallel and platform == "tpu":
         kwargs["enable_expert_parallel"] = True
+    kwargs["max_model_len"] = max_model_len
     kwargs.update(extra)
 
     deploy = dict(deployment_config or {})
@@ -136,17 +139,22 @@ def llm_config_dict(
         raise ValueError(
             "deployment_config sets replicas itself; pass num_slices=N or (min, max) instead")
     deploy["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi,
-                                    "initial_replicas": max(lo, 1)}
+                                    "initial_replicas": initial}
 
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": model_id,
                                  **({"model_source": model_source} if model_source else {})},
-        "engine_kwargs": kwargs,
-        "deployment_config": deploy,
     }
     if platform == "tpu":
         config["accelerator_type"] = topo.accelerator_type
         config["accelerator_config"] = {"kind": "tpu", "topology": topo.name}
+        if topo.chips_per_host != topo.generation.default_chips_per_host(topo.chips):
+            # Ray Serve LLM 2.60 sizes a slice's bundles from Ray's default host size
+            # (v6e 2x4: one host of 8 chips), so a 2x4 slice of two 4-chip hosts would
+            # wait forever for an 8-chip host. One bundle per real host fixes that; the
+            # SlicePlacementGroup still pins them all to one slice.
+            config["placement_group_config"] = {
+                "bundles": [{"TPU": topo.chips_per_host}] * topo.num_hosts}
     else:
         # vLLM's CPU engine with Ray Serve LLM's CPU backend; the bundle is the slice's
         # one host: every chip plus the slice-head resource only worker 0 of a slice has.
@@ -155,6 +163,25 @@ def llm_config_dict(
             "bundles": [{"CPU": 1, "TPU": topo.chips_per_host, topo.head_resource: 1}],
             "strategy": "STRICT_PACK",
         }
+    config["engine_kwargs"] = kwargs
+    config["deployment_config"] = deploy
     if env_vars:
         config["runtime_env"] = {"env_vars": {str(k): str(v) for k, v in env_vars.items()}}
     return config
+
+
+def openai_serve_config(*llm_configs: Mapping[str, Any], name: str = "llm",
+                        route_prefix: str = "/") -> dict[str, Any]:
+    """A Ray Serve config file (``serve run``/``serve deploy``, a RayService's
+    ``serveConfigV2``) for Ray Serve LLM's OpenAI app over ``llm_configs``
+    (dicts from :func:`llm_config_dict`)."""
+    if not llm_configs:
+        raise ValueError("openai_serve_config() needs at least one llm_config_dict(...)")
+    return {
+        "applications": [{
+            "name": name,
+            "route_prefix": route_prefix,
+            "import_path": "ray.serve.llm:build_openai_app",
+            "args": {"llm_configs": [dict(c) for c in llm_configs]},
+        }]
+    }

