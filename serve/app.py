@@ -25,6 +25,7 @@ __all__ = [
     "openai_app",
     "serve_llm",
     "shutdown_llm",
+    "tpu_engine_env",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,15 @@ def cpu_engine_env() -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+def tpu_engine_env() -> dict[str, str]:
+    """Env for vLLM on TPU chips: its XLA compilation cache in the fleet's persistent
+    compilation cache (``$PATHWAYS_RAY_COMPILATION_CACHE_DIR``, shared storage on a
+    real cluster), so a replica that restarts or scales out skips recompiling."""
+    from pathways_ray.client import default_compilation_cache_dir
+
+    return {"VLLM_XLA_CACHE_PATH": default_compilation_cache_dir().rstrip("/") + "/vllm"}
 
 
 def detect_platform(accelerator: str = "v6e", timeout_s: float = 60.0) -> str:
@@ -107,7 +117,7 @@ def llm_config(
     from pathways_ray.serve.models import resolve_model
 
     model_id, bundled_source = resolve_model(model)
-    env = dict(cpu_engine_env() if platform == "cpu" else {})
+    env = cpu_engine_env() if platform == "cpu" else tpu_engine_env()
     env.update(env_vars or {})
     return LLMConfig(**llm_config_dict(
         model_id, accelerator=accelerator, topology=topology, chips_per_host=chips_per_host,

@@ -152,3 +152,13 @@ def test_serve_cli_rejects_bad_flags_before_starting_anything(argv, needle, caps
         main(argv)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_llm_config_gives_a_tpu_replica_the_persistent_compilation_cache(monkeypatch):
+    from pathways_ray.serve import llm_config
+
+    monkeypatch.setenv("PATHWAYS_RAY_COMPILATION_CACHE_DIR", "gs://bucket/xla-cache/")
+    cfg = llm_config("Qwen/Qwen3-30B-A3B", topology="4x4")
+    assert cfg.runtime_env == {"env_vars": {"VLLM_XLA_CACHE_PATH": "gs://bucket/xla-cache/vllm"}}
+    assert cfg.accelerator_type == "TPU-V6E"
+    assert cfg.engine_kwargs["tensor_parallel_size"] == 16
