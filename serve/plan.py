@@ -34,6 +34,7 @@ ENGINE_ARG_DEFAULTS = {
 }
 
 
+
 def slice_topology(accelerator: str, topology: str | None,
                    chips_per_host: int | None = None) -> Topology:
     try:
@@ -72,6 +73,7 @@ def llm_config_dict(
     num_slices: int | tuple[int, int] = 1,
     initial_slices: int | None = None,
     platform: str = "tpu",
+    stream_batching_interval_ms: int | None = None,
     engine_kwargs: Mapping[str, Any] | None = None,
     env_vars: Mapping[str, str] | None = None,
     deployment_config: Mapping[str, Any] | None = None,
@@ -165,6 +167,16 @@ def llm_config_dict(
         }
     config["engine_kwargs"] = kwargs
     config["deployment_config"] = deploy
+    # How long Ray Serve LLM's LLMServer gathers streamed tokens before sending them on
+    # (one message per batch per hop: replica -> ingress -> HTTP proxy); Ray's default
+    # is 50 ms. Longer means fewer messages but a later first chunk.
+    interval = stream_batching_interval_ms
+    if interval is not None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"stream_batching_interval_ms={interval!r} must be a positive whole number "
+                f"of milliseconds (Ray Serve LLM's default is 50)")
+        config["experimental_configs"] = {"stream_batching_interval_ms": interval}
     if env_vars:
         config["runtime_env"] = {"env_vars": {str(k): str(v) for k, v in env_vars.items()}}
     return config

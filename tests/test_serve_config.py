@@ -18,6 +18,7 @@ def test_v6e_4x4_is_the_seed_example():
     assert cfg["deployment_config"]["autoscaling_config"] == {
         "min_replicas": 1, "max_replicas": 1, "initial_replicas": 1}
     assert "placement_group_config" not in cfg  # Ray Serve LLM reserves the slice itself
+    assert "experimental_configs" not in cfg  # Ray's 50 ms stream batching
 
 
 @pytest.mark.parametrize("accelerator,topology,chips_per_host,chips,accel_type", [
@@ -56,6 +57,9 @@ def test_emulated_replica_holds_its_slice_host():
                                     "max_model_len": 2048}
     assert cfg["model_loading_config"] == {"model_id": "smollm2", "model_source": "/ckpt"}
     assert cfg["runtime_env"] == {"env_vars": {"A": "1"}}
+    assert "experimental_configs" not in cfg
+    assert llm_config_dict("m", topology="2x2", stream_batching_interval_ms=200)[
+        "experimental_configs"] == {"stream_batching_interval_ms": 200}
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -69,6 +73,7 @@ def test_emulated_replica_holds_its_slice_host():
     ({"num_slices": (3, 2)}, "num_slices=(3, 2)"),
     ({"num_slices": "2"}, "num_slices='2'"),
     ({"platform": "gpu"}, "platform='gpu'"),
+    ({"stream_batching_interval_ms": 0}, "stream_batching_interval_ms=0"),
     ({"engine_kwargs": {"tensor_parallel_size": 2}}, "engine_kwargs['tensor_parallel_size']"),
     ({"engine_kwargs": {"model": "x"}}, "engine_kwargs['model']"),
     ({"deployment_config": {"num_replicas": 2}}, "num_slices"),
