@@ -25,9 +25,8 @@ __all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "llm_config_dict", "openai_serve_
 
 PLATFORMS = ("tpu", "cpu")
 
-# What vLLM's CPU engine needs to start cleanly on an emulated host (facts measured
-# here): no torch.compile (it adds minutes), and no OpenMP pinning (the emulated hosts
-# share the machine's cores, and `all` is not a valid value).
+# Engine arguments per platform: vLLM's CPU engine runs eager (torch.compile adds
+# minutes to a start on 2 cores). Its environment is pathways_ray.serve.cpu_engine_env().
 ENGINE_ARG_DEFAULTS = {
     "tpu": {},
     "cpu": {"enforce_eager": True},
