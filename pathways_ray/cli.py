@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from pathways_ray.errors import PathwaysError
 from pathways_ray.topology import GENERATIONS, Topology
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))  # exits 2 with usage
     except PathwaysError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         return 1
     except KeyboardInterrupt:
         err.print("interrupted; stopped what was started")

@@ -37,10 +37,17 @@ def _serve_llm_module():
     library's INFO lines, e.g. each HTTP request of the openai client, into output)."""
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
-    import ray.serve.llm
-
-    root.setLevel(level)
-    root.handlers = handlers
+    try:
+        import ray.serve.llm
+    except ImportError as e:
+        raise PathwaysError(
+            f"serving needs Ray Serve LLM and vLLM ({e}); install them with `./run.sh test` "
+            f"once, or `pip install -e '.[serve]' && pip install --no-deps -r "
+            f"serve/requirements-nodeps.txt` (on TPU hosts: serve/images/tpu.Dockerfile)"
+        ) from None
+    finally:
+        root.setLevel(level)
+        root.handlers = handlers
     return ray.serve.llm
 
 

@@ -63,10 +63,17 @@ def register(sub) -> dict:
 
 def cmd_serve(args) -> int:
     from pathways_ray.fleet import cluster_or_local
-    from pathways_ray.serve.app import detect_platform, llm_config, serve_llm, shutdown_llm
+    from pathways_ray.serve.app import (
+        _serve_llm_module,
+        detect_platform,
+        llm_config,
+        serve_llm,
+        shutdown_llm,
+    )
     from pathways_ray.serve.plan import slice_topology
 
     topo = slice_topology(args.accelerator, args.topology, args.chips_per_host)
+    _serve_llm_module()  # fail before starting anything if vLLM is not installed
     n_local = args.slices if isinstance(args.slices, int) else args.slices[1]
     address = args.address or os.environ.get("RAY_ADDRESS")
     t0 = time.monotonic()
