@@ -63,7 +63,7 @@ def main() -> None:
         except KeyboardInterrupt:
             pass
         finally:
-            shutdown_llm(None)
+            shutdown_llm()  # this app only; on a shared cluster Serve keeps the rest
 
 
 if __name__ == "__main__":  # vLLM's engine processes re-import this file

@@ -16,7 +16,7 @@ import ray
 
 from pathways_ray.errors import PathwaysError
 from pathways_ray.fleet import base_dir
-from pathways_ray.serve.plan import PLATFORMS, llm_config_dict, slice_topology
+from pathways_ray.serve.plan import accelerator_type, llm_config_dict
 
 __all__ = [
     "cpu_engine_env",
@@ -82,7 +82,7 @@ def detect_platform(accelerator: str = "v6e", timeout_s: float = 60.0) -> str:
     """``"tpu"`` or ``"cpu"`` (emulated), asked of a TPU host of the connected cluster."""
     from pathways_ray.chip_worker import detect_platform as on_host
 
-    accel = slice_topology(accelerator, None if "-" in accelerator else "2x2").accelerator_type
+    accel = accelerator_type(accelerator)
     ref = ray.remote(on_host).options(
         num_cpus=0, label_selector={"ray.io/accelerator-type": accel}).remote()
     ready, _ = ray.wait([ref], timeout=timeout_s)
@@ -94,47 +94,25 @@ def detect_platform(accelerator: str = "v6e", timeout_s: float = 60.0) -> str:
     return ray.get(ref)
 
 
-def llm_config(
-    model: str,
-    *,
-    accelerator: str = "v6e",
-    topology: str | None = "4x4",
-    chips_per_host: int | None = None,
-    model_source: str | None = None,
-    tensor_parallel_size: int | None = None,
-    enable_expert_parallel: bool = True,
-    max_model_len: int = 8192,
-    num_slices: int | tuple[int, int] = 1,
-    platform: str = "tpu",
-    stream_batching_interval_ms: int | None = None,
-    engine_kwargs: Mapping[str, Any] | None = None,
-    env_vars: Mapping[str, str] | None = None,
-    deployment_config: Mapping[str, Any] | None = None,
-):
+def llm_config(model: str, *, platform: str = "tpu", model_source: str | None = None,
+               env_vars: Mapping[str, str] | None = None, **plan: Any):
     """A Ray Serve LLM ``LLMConfig`` serving ``model`` with one replica per TPU slice.
 
     ``llm_config("Qwen/Qwen3-30B-A3B", accelerator="v6e", topology="4x4")`` is the
     v6e 4x4 replica with 16-way tensor parallelism, expert parallelism and 8192
     tokens of context. ``model="smollm2"`` is the small model bundled for the
-    emulated fleet; ``platform="cpu"`` runs vLLM's CPU engine there.
+    emulated fleet; ``platform="cpu"`` runs vLLM's CPU engine there. The other
+    keywords are :func:`~pathways_ray.serve.plan.llm_config_dict`'s.
     """
     LLMConfig = _serve_llm_module().LLMConfig
-
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform={platform!r} must be one of {PLATFORMS}")
     from pathways_ray.serve.models import resolve_model
 
     model_id, bundled_source = resolve_model(model)
     env = cpu_engine_env() if platform == "cpu" else tpu_engine_env()
     env.update(env_vars or {})
-    return LLMConfig(**llm_config_dict(
-        model_id, accelerator=accelerator, topology=topology, chips_per_host=chips_per_host,
-        model_source=model_source or bundled_source,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_expert_parallel=enable_expert_parallel, max_model_len=max_model_len,
-        num_slices=num_slices, platform=platform,
-        stream_batching_interval_ms=stream_batching_interval_ms, engine_kwargs=engine_kwargs,
-        env_vars=env, deployment_config=deployment_config))
+    return LLMConfig(**llm_config_dict(model_id, platform=platform,
+                                       model_source=model_source or bundled_source,
+                                       env_vars=env, **plan))
 
 
 def openai_app(*configs):
@@ -179,9 +157,11 @@ def serve_llm(*configs, name: str = "llm", host: str = "127.0.0.1", port: int = 
         if status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
             detail = "; ".join(f"{d}: {s.message}" for d, s in app.deployments.items()
                                if s.message) or app.message
+            _delete_quietly(name)
             raise PathwaysError(f"Serve app {name!r} is {status.value}: {detail}")
         if time.monotonic() - t0 > timeout_s:
             detail = app.message if app else "not created"
+            _delete_quietly(name)
             raise PathwaysError(
                 f"Serve app {name!r} not RUNNING after timeout_s={timeout_s:g}s (status "
                 f"{status}, {detail}); a first start converts the model and loads vLLM, "
@@ -189,8 +169,17 @@ def serve_llm(*configs, name: str = "llm", host: str = "127.0.0.1", port: int = 
         time.sleep(1.0)
 
 
+def _delete_quietly(name: str) -> None:
+    """A failed app would retry its replicas forever, holding slices: delete it."""
+    try:
+        shutdown_llm(name, timeout_s=60.0)
+    except Exception as e:  # the caller's error is the one to report
+        logger.warning("could not delete Serve app %r: %s", name, e)
+
+
 def shutdown_llm(name: str | None = "llm", timeout_s: float = 120.0) -> None:
-    """Delete the app (``name=None``: stop Serve itself), releasing its slices."""
+    """Delete the app, releasing its slices (``name=None`` stops Serve itself, with
+    every app on the cluster)."""
     from ray import serve
 
     if name is None:

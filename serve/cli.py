@@ -22,14 +22,16 @@ console = Console()
 
 
 def _slices(text: str) -> int | tuple[int, int]:
+    from pathways_ray.serve.plan import _slices as check
+
     try:
-        if ":" in text:
-            lo, hi = (int(t) for t in text.split(":", 1))
-            return lo, hi
-        return int(text)
+        value = tuple(int(t) for t in text.split(":", 1)) if ":" in text else int(text)
+        check(value)
+        return value
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} must be a number of slices (2) or MIN:MAX for autoscaling (1:4)"
+            f"{text!r} must be a number of slices (2) or MIN:MAX for autoscaling (1:4), "
+            f"with 0 <= MIN <= MAX and MAX >= 1"
         ) from None
 
 
@@ -115,7 +117,7 @@ def cmd_serve(args) -> int:
                 console.print("stopping ...")
             finally:
                 try:
-                    shutdown_llm(None)
+                    shutdown_llm()  # our app only: a shared cluster may serve others
                 except PathwaysError as e:  # still stop the fleet
                     console.print(f"[yellow]{e}[/yellow]")
     return 0

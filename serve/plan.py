@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pathways_ray.topology import Topology
+from pathways_ray.topology import Topology, generation
 
-__all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "llm_config_dict", "openai_serve_config",
-           "slice_topology"]
+__all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "accelerator_type", "llm_config_dict",
+           "openai_serve_config", "slice_topology"]
 
 PLATFORMS = ("tpu", "cpu")
 
@@ -40,6 +40,15 @@ def slice_topology(accelerator: str, topology: str | None,
         return Topology.parse(accelerator, topology, chips_per_host=chips_per_host)
     except ValueError as e:
         raise ValueError(f"accelerator={accelerator!r}, topology={topology!r}: {e}") from None
+
+
+def accelerator_type(accelerator: str) -> str:
+    """Ray's accelerator type (``TPU-V6E``) of a generation (``v6e``, ``TPU-V6E``)
+    or a pod type (``v6e-16``)."""
+    try:
+        return generation(accelerator).accelerator_type
+    except ValueError:
+        return slice_topology(accelerator, None).accelerator_type
 
 
 def _slices(num_slices: int | tuple[int, int]) -> tuple[int, int]:

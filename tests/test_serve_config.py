@@ -167,3 +167,10 @@ def test_llm_config_gives_a_tpu_replica_the_persistent_compilation_cache(monkeyp
     assert cfg.runtime_env == {"env_vars": {"VLLM_XLA_CACHE_PATH": "gs://bucket/xla-cache/vllm"}}
     assert cfg.accelerator_type == "TPU-V6E"
     assert cfg.engine_kwargs["tensor_parallel_size"] == 16
+
+
+@pytest.mark.parametrize("accelerator", ["v6e", "TPU-V6E", "v6e-16", "tpu-v6e-slice"])
+def test_accelerator_type_from_a_generation_or_pod_type(accelerator):
+    from pathways_ray.serve.plan import accelerator_type
+
+    assert accelerator_type(accelerator) == "TPU-V6E"
