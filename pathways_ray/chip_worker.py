@@ -11,17 +11,20 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 import numpy as np
 import ray
 
+from pathways_ray.channel import ChannelServer
 from pathways_ray.executor import Executor
 from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env
 
 logger = logging.getLogger(__name__)
 
 PLATFORM_ENV = "PATHWAYS_RAY_PLATFORM"
+STREAM_WAIT_S = 600.0  # how long a put waits for its pieces, a query for the stream
 
 
 def detect_platform() -> str:
@@ -61,6 +64,9 @@ class ChipWorker:
         self._mesh = None
         self._reducers: dict = {}
         self.executor: Executor | None = None
+        self._channel: ChannelServer | None = None
+        self._staged: dict[int, list] = {}  # buffer id -> this chip's (ref, index) pieces
+        self._staged_cond = threading.Condition()
 
     # ---- placement ---------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -123,7 +129,7 @@ class ChipWorker:
 
         self.rank = rank
         self._mesh = Mesh(np.array(jax.devices()), ("chips",))
-        self.executor = Executor(rank, resolve=ray.get)
+        self.executor = Executor(rank, pieces=self._take_pieces)
         local = jax.local_devices()
         if len(local) != 1:
             raise RuntimeError(
@@ -165,21 +171,54 @@ class ChipWorker:
         return np.asarray(out.addressable_data(0))
 
     # ---- programs and arrays (see executor.py) -------------------------------------
-    def run_batch(self, commands: list[tuple]) -> int:
-        """Run commands in order; failures are recorded on their outputs, not raised."""
-        self.executor.run(commands)
-        return self.executor.commands_run
+    @ray.method(concurrency_group="control")
+    def open_channel(self) -> tuple[tuple[str, int], bytes]:
+        """Listen for the controller's command stream; returns (address, secret)."""
+        if self.executor is None:
+            raise RuntimeError("init_world() has not run on this chip worker")
+        if self._channel is None:
+            self._channel = ChannelServer(self.info.ip, self.executor.run)
+        return self._channel.address, self._channel.token
 
-    def repeat(self, fingerprint: str, buffer_id: int, k: int) -> float:
+    @ray.method(concurrency_group="control")
+    def stage(self, buffer_id: int, pieces: list) -> None:
+        """Hand over the object refs a later ``put`` in the stream assembles this
+        chip's shard from (refs travel by Ray call so Ray tracks who holds them)."""
+        with self._staged_cond:
+            self._staged[buffer_id] = pieces
+            self._staged_cond.notify_all()
+
+    def _take_pieces(self, buffer_id: int) -> list:
+        with self._staged_cond:
+            if not self._staged_cond.wait_for(lambda: buffer_id in self._staged,
+                                              timeout=STREAM_WAIT_S):
+                raise TimeoutError(f"the pieces of buffer {buffer_id} did not arrive within "
+                                   f"{STREAM_WAIT_S:g} s")
+            pieces = self._staged.pop(buffer_id)
+        values = ray.get([ref for ref, _ in pieces], timeout=STREAM_WAIT_S)
+        return [(index, v) for (_, index), v in zip(pieces, values, strict=True)]
+
+    def _after(self, batches: int) -> None:
+        """Wait until the first ``batches`` batches of the stream have run: a query
+        sent after them must see their results."""
+        if batches:
+            if self._channel is None:
+                raise RuntimeError("no command stream is open on this chip worker")
+            self._channel.wait_for(batches, STREAM_WAIT_S)
+
+    def repeat(self, fingerprint: str, buffer_id: int, k: int, after: int = 0) -> float:
         """Run a loaded one-argument program k times here (the multi-controller baseline)."""
+        self._after(after)
         return self.executor.repeat(fingerprint, buffer_id, k)
 
-    def shard(self, buffer_id: int) -> np.ndarray:
+    def shard(self, buffer_id: int, after: int = 0) -> np.ndarray:
         """This chip's shard of a buffer (raises the remote error of a failed buffer)."""
+        self._after(after)
         return self.executor.local_shard(buffer_id)
 
-    def ready(self, buffer_ids: list[int]) -> bool:
+    def ready(self, buffer_ids: list[int], after: int = 0) -> bool:
         """True once the buffers are computed; raises the remote error if one failed."""
+        self._after(after)
         self.executor.ready(buffer_ids)
         return True
 
@@ -187,9 +226,13 @@ class ChipWorker:
     def stats(self) -> dict:
         ex = self.executor
         return {"buffers": len(ex.buffers), "programs": len(ex.programs),
-                "commands": ex.commands_run, "batches": ex.batches_run} if ex else {}
+                "commands": ex.commands_run, "batches": ex.batches_run,
+                "staged": len(self._staged)} if ex else {}
 
     def shutdown_world(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if self._mesh is not None:
             import jax
 

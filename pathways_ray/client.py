@@ -243,6 +243,10 @@ class Client:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._pending: dict[str, list] = {s.name: [] for s in self.slices}
+        # Frees wait for the end of their batch: every command that reads a buffer was
+        # issued while the client still held its handle, so before its free.
+        self._frees: dict[str, list[int]] = {s.name: [] for s in self.slices}
+        self._last_flush: dict[str, float] = {s.name: 0.0 for s in self.slices}
         self._submitted: deque = deque()
         self._registered: set[str] = set()
         self.max_batch = max_batch
@@ -330,16 +334,25 @@ class Client:
             if len(pending) >= self.max_batch:
                 self._flush_slice(slice_name)
             elif len(pending) == 1:
-                self._wake.set()
+                if time.monotonic() - self._last_flush[slice_name] > self._flush_interval_s:
+                    # The start of a burst after a pause: the slice may be idle, so the
+                    # first command goes now and the rest are batched behind it.
+                    self._flush_slice(slice_name)
+                else:
+                    self._wake.set()
 
     def _flush_slice(self, slice_name: str) -> None:
         import ray
 
         with self._lock:
             batch = self._pending[slice_name]
+            if self._frees[slice_name]:
+                batch.append(("free", self._frees[slice_name]))
+                self._frees[slice_name] = []
             if not batch:
                 return
             self._pending[slice_name] = []
+            self._last_flush[slice_name] = time.monotonic()
             self._submitted.append(self._controller.submit.remote(slice_name, batch))
             while len(self._submitted) > 32:  # bound what is queued at the controller
                 ray.get(self._submitted.popleft(), timeout=600)
@@ -364,13 +377,12 @@ class Client:
         if self._closed:
             return
         with self._lock:
-            pending = self._pending.get(slice_name)
-            if pending is None:
+            frees = self._frees.get(slice_name)
+            if frees is None:
                 return
-            if pending and pending[-1][0] == "free":
-                pending[-1][1].append(buffer_id)
-            else:
-                self._enqueue(slice_name, ("free", [buffer_id]))
+            frees.append(buffer_id)
+            if len(frees) == 1 and not self._pending[slice_name]:
+                self._wake.set()
 
     # ---- results --------------------------------------------------------------------
     def _fetch(self, arr: RemoteArray, timeout_s: float) -> np.ndarray:

@@ -3,23 +3,24 @@
 It reserves slices (``Slice.reserve``), keeps the program registry (each
 program's bytes arrive once and are loaded onto a slice the first time that
 slice runs it) and the array registry (which buffer ids live on which slice),
-and forwards command batches to every chip worker of a slice. It never holds
-array bytes: device_put data, fetched shards and cross-slice transfers move
-between the client and the workers, or worker to worker, as object refs it
-only passes along.
+and forwards command batches to every chip worker of a slice over its command
+stream (``channel.py``). It never holds array bytes: device_put data, fetched
+shards and cross-slice transfers move between the client and the workers, or
+worker to worker, as object refs it only passes along (by Ray call, which
+tracks their ownership).
 
-Order: the controller is the only caller of the chip workers' command methods,
-and Ray runs one caller's calls to an actor in order, so every worker of a
-slice sees the same command sequence, and a fetch follows the commands that
-produced its buffer.
+Order: the controller is the only writer of each worker's stream, and a
+worker runs its stream in order, so every worker of a slice sees the same
+command sequence. A query (fetch, ready) carries the number of batches sent
+before it, and the worker answers only once it has run that many, so a fetch
+follows the commands that produced its buffer.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
 
+from pathways_ray.channel import CommandChannel, dumps
 from pathways_ray.sharding import MeshShape, shard_slices, unique_shards
 from pathways_ray.slice import Slice
 
@@ -45,11 +46,15 @@ class Controller:
             if not slices:
                 raise RuntimeError("no free TPU slice in the cluster to reserve")
         self.slices: dict[str, Slice] = {}
+        self._channels: dict[str, list[CommandChannel]] = {}
         try:
             for spec in slices:
                 s = Slice.reserve(spec, timeout_s=reserve_timeout_s,
                                   compilation_cache_dir=compilation_cache_dir)
                 self.slices[s.name] = s
+                ends = ray.get([w.handle.open_channel.remote() for w in s.workers], timeout=120)
+                self._channels[s.name] = [CommandChannel(address, token)
+                                          for address, token in ends]
         except BaseException:
             self.shutdown()
             raise
@@ -57,7 +62,6 @@ class Controller:
         self.loaded: dict[str, set[str]] = {name: set() for name in self.slices}
         self.arrays: dict[str, set[int]] = {name: set() for name in self.slices}
         self.loads_sent: dict[str, int] = {name: 0 for name in self.slices}
-        self._inflight: dict[str, deque] = {name: deque() for name in self.slices}
         self.max_inflight = max_inflight
 
     # ---- what the client asks ------------------------------------------------
@@ -71,9 +75,7 @@ class Controller:
         self.programs.setdefault(fingerprint, blob)
 
     def submit(self, slice_name: str, commands: list[tuple]) -> None:
-        """Forward a batch of commands to every chip of a slice (one call per worker)."""
-        import ray
-
+        """Forward a batch of commands to every chip of a slice (one message per worker)."""
         s = self._slice(slice_name)
         batch = []
         live = self.arrays[slice_name]
@@ -86,28 +88,34 @@ class Controller:
                     self.loaded[slice_name].add(fp)
                     self.loads_sent[slice_name] += 1
                 live.update(cmd[3])
-            elif op in ("put",):
+            elif op == "put":
                 live.add(cmd[1])
+                pieces = cmd[6]
+                for w in s.workers:  # each chip gets the refs of its own block only
+                    w.handle.stage.remote(cmd[1], pieces[w.rank])
+                cmd = cmd[:6]
             elif op == "reshard":
                 live.add(cmd[2])
             elif op == "free":
                 live.difference_update(cmd[1])
             batch.append(cmd)
-        inflight = self._inflight[slice_name]
-        refs = [w.handle.run_batch.remote(batch) for w in s.workers]
-        inflight.append(refs[0])
+        payload = dumps(batch)
         # Backpressure: a client that issues work faster than the slice runs it waits here.
-        while len(inflight) > self.max_inflight:
-            ray.wait([inflight.popleft()], timeout=600)
+        for ch in self._channels[slice_name]:
+            ch.send(payload, self.max_inflight)
+
+    def _sent(self, slice_name: str) -> list[int]:
+        """Batches sent to each worker of a slice: what a query must wait for."""
+        return [ch.sent for ch in self._channels[slice_name]]
 
     def shard_refs(self, slice_name: str, buffer_id: int, ranks: list[int]) -> list:
         """Object refs of the given ranks' shards (fetched by the client, not by us)."""
-        s = self._slice(slice_name)
-        return [s.workers[r].handle.shard.remote(buffer_id) for r in ranks]
+        s, sent = self._slice(slice_name), self._sent(slice_name)
+        return [s.workers[r].handle.shard.remote(buffer_id, sent[r]) for r in ranks]
 
     def ready(self, slice_name: str, buffer_ids: list[int]) -> list:
-        s = self._slice(slice_name)
-        return [w.handle.ready.remote(buffer_ids) for w in s.workers]
+        s, sent = self._slice(slice_name), self._sent(slice_name)
+        return [w.handle.ready.remote(buffer_ids, n) for w, n in zip(s.workers, sent, strict=True)]
 
     def transfer(self, src: str, src_id: int, shape, dtype: str, src_mesh: MeshShape, src_spec,
                  dst: str, dst_id: int, dst_mesh: MeshShape, dst_spec,
@@ -126,7 +134,8 @@ class Controller:
         self._slice(dst)
         src_index = shard_slices(shape, src_mesh, src_spec)
         firsts = sorted(set(unique_shards(src_index)))
-        src_refs = {r: src_slice.workers[r].handle.shard.remote(src_id) for r in firsts}
+        sent = self._sent(src)
+        src_refs = {r: src_slice.workers[r].handle.shard.remote(src_id, sent[r]) for r in firsts}
         if via_controller:
             values = ray.get([src_refs[r] for r in firsts], timeout=600)
             src_refs = {r: ray.put(v) for r, v in zip(firsts, values, strict=True)}
@@ -151,8 +160,9 @@ class Controller:
 
     def repeat(self, slice_name: str, fingerprint: str, buffer_id: int, k: int) -> list:
         """Every worker runs the program k times itself (multi-controller baseline)."""
-        return [w.handle.repeat.remote(fingerprint, buffer_id, k)
-                for w in self._slice(slice_name).workers]
+        s, sent = self._slice(slice_name), self._sent(slice_name)
+        return [w.handle.repeat.remote(fingerprint, buffer_id, k, n)
+                for w, n in zip(s.workers, sent, strict=True)]
 
     def pid(self) -> int:
         import os
@@ -170,17 +180,18 @@ class Controller:
                          "workers": workers}
         return out
 
-    def drain(self, timeout_s: float = 600.0) -> None:
-        """Wait until every forwarded batch has run."""
-        import ray
-
-        deadline = time.monotonic() + timeout_s
-        for name, inflight in self._inflight.items():
-            refs = [w.handle.run_batch.remote([]) for w in self.slices[name].workers]
-            ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
-            inflight.clear()
+    def drain(self) -> None:
+        """Wait until every forwarded batch has run (each wait bounded by the channel's
+        timeout)."""
+        for channels in self._channels.values():
+            for ch in channels:
+                ch.wait_acked(ch.sent)
 
     def shutdown(self) -> None:
+        for channels in self._channels.values():
+            for ch in channels:
+                ch.close()
+        self._channels.clear()
         for s in self.slices.values():
             s.shutdown()
         self.slices.clear()

@@ -5,7 +5,7 @@ them one after another, so every chip issues the same collectives in the same
 sequence. Commands are plain tuples:
 
     ("load", fingerprint, blob)                    deserialize + jit once, cached
-    ("put", id, shape, dtype, spec, mesh, pieces)  this chip's shard from object refs
+    ("put", id, shape, dtype, spec, mesh)          this chip's shard, from its pieces
     ("run", fingerprint, in_ids, out_ids)          run a program on global arrays
     ("reshard", src_id, dst_id, spec, mesh)        same slice, another sharding
     ("free", ids)                                   drop buffers
@@ -13,6 +13,10 @@ sequence. Commands are plain tuples:
 An exception inside a command does not stop the worker: the command's
 outputs are marked failed with the remote traceback, later commands that use
 them fail the same way, and the error surfaces when the client fetches.
+
+The pieces of a ``put`` (object refs of the source arrays) do not travel in
+the command: the worker hands them over through ``pieces(buffer_id)``, which
+waits for them to arrive and returns ``(index, array)`` pairs.
 """
 
 from __future__ import annotations
@@ -65,9 +69,9 @@ def assemble(index: tuple[slice, ...], dtype: str,
 class Executor:
     """The buffer table and program cache of one chip, in one JAX world."""
 
-    def __init__(self, rank: int, resolve: Callable[[list], list]):
+    def __init__(self, rank: int, pieces: Callable[[int], list[tuple[tuple[slice, ...], object]]]):
         self.rank = rank
-        self._resolve = resolve  # object refs -> values (ray.get on a worker)
+        self._pieces = pieces  # buffer id -> this chip's (index, array) pieces
         self.buffers: dict[int, object] = {}
         self.programs: dict[str, Callable] = {}
         self._meshes: dict[MeshShape, object] = {}
@@ -167,15 +171,12 @@ class Executor:
         exp = export.deserialize(bytearray(blob))
         self.programs[fingerprint] = jax.jit(exp.call)
 
-    def _put(self, buffer_id: int, shape, dtype, spec, mesh: MeshShape, pieces) -> None:
+    def _put(self, buffer_id: int, shape, dtype, spec, mesh: MeshShape) -> None:
         import jax
 
         sharding = self.sharding(mesh, spec)
         index = shard_slices(shape, mesh, spec)[self.rank]
-        refs = [ref for ref, _ in pieces[self.rank]]
-        values = self._resolve(refs)
-        local = assemble(index, dtype,
-                         [(idx, v) for (_, idx), v in zip(pieces[self.rank], values, strict=True)])
+        local = assemble(index, dtype, self._pieces(buffer_id))
         device = jax.local_devices()[0]
         self.buffers[buffer_id] = jax.make_array_from_single_device_arrays(
             tuple(shape), sharding, [jax.device_put(local, device)])
