@@ -95,14 +95,23 @@ class ChipWorker:
         process_addresses: list[str] | None = None,
         slice_shape: tuple[int, ...] | None = None,
         compilation_cache_dir: str | None = None,
+        slice_devices: tuple[int, int] | None = None,
+        multislice: tuple[int, int, str] | None = None,
     ) -> dict:
-        """Join the slice's JAX world as process ``rank``; returns what JAX sees."""
+        """Join a JAX world as process ``rank``; returns what JAX sees.
+
+        The world is the slice's, or several slices' (``slice_devices`` = this
+        slice's (first device, count) in it; ``multislice`` = (slice id, slices,
+        DCN coordinator) on TPU).
+        """
+        start, count = slice_devices or (0, num_processes)
         if self.info.platform == "cpu":
             env = cpu_env(os.environ)
         else:
             env = tpu_multiprocess_env(
-                rank=rank, chip=self.info.chip,
+                rank=rank - start, chip=self.info.chip,
                 process_addresses=process_addresses or [], slice_shape=slice_shape or (),
+                multislice=multislice,
             )
         for key, value in env.items():
             if value == "":
@@ -128,7 +137,7 @@ class ChipWorker:
         from jax.sharding import Mesh
 
         self.rank = rank
-        self._mesh = Mesh(np.array(jax.devices()), ("chips",))
+        self._mesh = Mesh(np.array(jax.devices()[start:start + count]), ("chips",))
         self.executor = Executor(rank, pieces=self._take_pieces)
         local = jax.local_devices()
         if len(local) != 1:

@@ -240,6 +240,9 @@ class Client:
         self.slices = [SliceInfo(d["name"], d["topology"], d["chips"])
                        for d in ray.get(controller.describe.remote(), timeout=600)]
         self._chips = {s.name: s.chips for s in self.slices}
+        self._groups: dict[str, SliceInfo] = {}  # multislice placements, by name
+        self._members: dict[str, frozenset[str]] = {s.name: frozenset([s.name])
+                                                   for s in self.slices}
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._pending: dict[str, list] = {s.name: [] for s in self.slices}
@@ -258,22 +261,51 @@ class Client:
         self._flusher.start()
 
     # ---- placement -----------------------------------------------------------
-    def slice(self, name_or_index: str | int | None = None) -> SliceInfo:
+    def slice(self, name_or_index: str | int | list | tuple | None = None) -> SliceInfo:
+        """A slice by name or index, or a list of them: several slices of one JAX world
+        (``connect(multislice=True)``), where one mesh spans their chips."""
         if name_or_index is None:
             return self.slices[0]
+        if isinstance(name_or_index, (list, tuple)):
+            return self._group([self.slice(x).name for x in name_or_index])
         if isinstance(name_or_index, int):
             return self.slices[name_or_index]
         for s in self.slices:
             if s.name == name_or_index:
                 return s
+        if name_or_index in self._groups:
+            return self._groups[name_or_index]
         raise ValueError(f"slice={name_or_index!r} is not one of "
                          f"{[s.name for s in self.slices]}")
 
-    def mesh(self, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...]):
-        """An abstract mesh (``jax.sharding.AbstractMesh``) over the chips of a slice."""
+    def _group(self, names: list[str]) -> SliceInfo:
+        import ray
+
+        key = "+".join(names)
+        if key not in self._groups:
+            info = ray.get(self._controller.group.remote(names), timeout=60)
+            with self._lock:
+                g = SliceInfo(info["name"], info["topology"], info["chips"])
+                self._groups[g.name] = g
+                self._chips[g.name] = g.chips
+                self._members[g.name] = frozenset(names)
+                self._pending[g.name], self._frees[g.name] = [], []
+                self._last_flush[g.name] = 0.0
+        return self._groups[key]
+
+    def mesh(self, axis_sizes: tuple[int, ...], axis_names: tuple[str, ...],
+             slices: list | None = None):
+        """An abstract mesh (``jax.sharding.AbstractMesh``) over the chips of a slice, or
+        over the chips of several ``slices`` (names or indices) of one JAX world, slice
+        after slice: put the slice axis first, ``(len(slices), ...)``."""
         from jax.sharding import AbstractMesh
 
-        MeshShape(tuple(axis_names), tuple(axis_sizes))  # checks
+        shape = MeshShape(tuple(axis_names), tuple(axis_sizes))  # checks
+        if slices is not None:
+            group = self.slice(list(slices))
+            if shape.size != group.chips:
+                raise ValueError(f"axis_sizes={tuple(axis_sizes)} make {shape.size} devices; "
+                                 f"slices {group.name} have {group.chips} chips")
         return AbstractMesh(tuple(axis_sizes), tuple(axis_names))
 
     def jit(self, fn=None, *, in_shardings=None, out_shardings=None):
@@ -329,6 +361,13 @@ class Client:
 
     def _enqueue(self, slice_name: str, cmd: tuple) -> None:
         with self._lock:
+            if self._groups:
+                # A slice and a multislice group that shares its chips feed the same
+                # workers: what was issued to one goes out before what follows on the other.
+                mine = self._members[slice_name]
+                for other, members in self._members.items():
+                    if other != slice_name and members & mine and self._pending[other]:
+                        self._flush_slice(other)
             pending = self._pending[slice_name]
             pending.append(cmd)
             if len(pending) >= self.max_batch:
@@ -486,12 +525,16 @@ def default_compilation_cache_dir() -> str:
 
 
 def connect(slices: list | None = None, *, reserve_timeout_s: float = 120.0,
-            max_batch: int = 64, compilation_cache_dir: str | None = "default") -> Client:
+            max_batch: int = 64, compilation_cache_dir: str | None = "default",
+            multislice: bool = False) -> Client:
     """Start a controller holding ``slices`` (default: every free slice) and return a client.
 
     The process must be connected to the Ray cluster (a ``LocalFleet``, or
     ``Fleet.attach()``). ``compilation_cache_dir`` is JAX's persistent compilation
-    cache on every chip (``None`` turns it off).
+    cache on every chip (``None`` turns it off). ``multislice=True`` joins the
+    slices' chips in one JAX world, so that a mesh can span slices
+    (``client.mesh(..., slices=[0, 1])``, collectives over DCN); each slice still
+    runs its own programs too. The joined world is lost with any one slice.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -513,7 +556,8 @@ def connect(slices: list | None = None, *, reserve_timeout_s: float = 120.0,
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=env,
                        scheduling_strategy=here)(Controller).remote(
-        specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir)
+        specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
+        multislice=multislice)
     return Client(actor, max_batch=max_batch)
 
 

@@ -5,14 +5,19 @@ them one after another, so every chip issues the same collectives in the same
 sequence. Commands are plain tuples:
 
     ("load", fingerprint, blob)                    deserialize + jit once, cached
-    ("put", id, shape, dtype, spec, mesh)          this chip's shard, from its pieces
+    ("put", id, shape, dtype, spec, mesh, start)   this chip's shard, from its pieces
     ("run", fingerprint, in_ids, out_ids)          run a program on global arrays
-    ("reshard", src_id, dst_id, spec, mesh)        same slice, another sharding
+    ("reshard", src_id, dst_id, spec, mesh, start) same chips, another sharding
     ("free", ids)                                   drop buffers
 
 An exception inside a command does not stop the worker: the command's
 outputs are marked failed with the remote traceback, later commands that use
 them fail the same way, and the error surfaces when the client fetches.
+
+``start`` is the first device of the mesh in the JAX world: 0 for a slice
+that is a world of its own; a slice's offset, or a multislice mesh's first
+slice's, when several slices share one world. ``rank`` is the chip's place
+in that world.
 
 The pieces of a ``put`` (object refs of the source arrays) do not travel in
 the command: the worker hands them over through ``pieces(buffer_id)``, which
@@ -79,23 +84,25 @@ class Executor:
         self.batches_run = 0
 
     # ---- helpers -------------------------------------------------------------
-    def mesh(self, shape: MeshShape):
-        if shape not in self._meshes:
+    def mesh(self, shape: MeshShape, start: int = 0):
+        key = (shape, start)
+        if key not in self._meshes:
             import jax
             from jax.sharding import Mesh
 
-            devices = jax.devices()
-            if len(devices) != shape.size:
-                raise ValueError(f"mesh {shape} needs {shape.size} devices; this slice's world "
-                                 f"has {len(devices)}")
-            self._meshes[shape] = Mesh(np.array(devices).reshape(shape.axis_sizes),
-                                       shape.axis_names)
-        return self._meshes[shape]
+            world = jax.devices()
+            devices = world[start:start + shape.size]
+            if len(devices) != shape.size or not start <= self.rank < start + shape.size:
+                raise ValueError(f"mesh {shape} at device {start} does not fit this chip's "
+                                 f"world of {len(world)} devices (chip {self.rank})")
+            self._meshes[key] = Mesh(np.array(devices).reshape(shape.axis_sizes),
+                                     shape.axis_names)
+        return self._meshes[key]
 
-    def sharding(self, mesh: MeshShape, spec: Spec):
+    def sharding(self, mesh: MeshShape, spec: Spec, start: int = 0):
         from jax.sharding import NamedSharding, PartitionSpec
 
-        return NamedSharding(self.mesh(mesh), PartitionSpec(*[a or None for a in spec]))
+        return NamedSharding(self.mesh(mesh, start), PartitionSpec(*[a or None for a in spec]))
 
     def get(self, buffer_id: int):
         value = self.buffers.get(buffer_id)
@@ -171,11 +178,11 @@ class Executor:
         exp = export.deserialize(bytearray(blob))
         self.programs[fingerprint] = jax.jit(exp.call)
 
-    def _put(self, buffer_id: int, shape, dtype, spec, mesh: MeshShape) -> None:
+    def _put(self, buffer_id: int, shape, dtype, spec, mesh: MeshShape, start: int = 0) -> None:
         import jax
 
-        sharding = self.sharding(mesh, spec)
-        index = shard_slices(shape, mesh, spec)[self.rank]
+        sharding = self.sharding(mesh, spec, start)
+        index = shard_slices(shape, mesh, spec)[self.rank - start]
         local = assemble(index, dtype, self._pieces(buffer_id))
         device = jax.local_devices()[0]
         self.buffers[buffer_id] = jax.make_array_from_single_device_arrays(
@@ -196,14 +203,14 @@ class Executor:
         for out_id, value in zip(out_ids, jax.tree.leaves(outs), strict=True):
             self.buffers[out_id] = value
 
-    def _reshard(self, src_id: int, dst_id: int, spec, mesh: MeshShape) -> None:
+    def _reshard(self, src_id: int, dst_id: int, spec, mesh: MeshShape, start: int = 0) -> None:
         import jax
 
         src = self.get(src_id)
         if isinstance(src, Failed):
             self.buffers[dst_id] = src
             return
-        self.buffers[dst_id] = jax.device_put(src, self.sharding(mesh, spec))
+        self.buffers[dst_id] = jax.device_put(src, self.sharding(mesh, spec, start))
 
     def _free(self, ids: list[int]) -> None:
         for i in ids:

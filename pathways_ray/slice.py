@@ -74,11 +74,13 @@ class Slice:
     Use ``Slice.reserve(...)``; release it with ``shutdown()`` or a ``with`` block.
     """
 
-    def __init__(self, topology: Topology, spg, workers: list[SliceWorker], world: list[dict]):
+    def __init__(self, topology: Topology, spg, workers: list[SliceWorker], world: list[dict],
+                 world_offset: int = 0):
         self.topology = topology
         self._spg = spg
         self.workers = workers
         self.world = world
+        self.world_offset = world_offset  # this slice's first device in its JAX world
         self.name = workers[0].info.slice_name
         self._closed = False
 
@@ -92,6 +94,7 @@ class Slice:
         timeout_s: float | None = None,
         worker_timeout_s: float = 180.0,
         compilation_cache_dir: str | None = None,
+        join_world: bool = True,
     ) -> Slice:
         """Reserve one whole slice of ``topology`` and start a worker on every chip.
 
@@ -169,17 +172,44 @@ class Slice:
                     f"this is a placement bug, please report it"
                 )
             workers = [SliceWorker(r, infos[i], names[i], handles[i]) for r, i in enumerate(order)]
-            world = cls._init_world(topo, workers, worker_timeout_s, compilation_cache_dir)
+            sl = cls(topo, spg, workers, [])
+            if join_world:
+                cls._init_world([sl], worker_timeout_s, compilation_cache_dir)
         except BaseException:
             for h in handles:
                 ray.kill(h)
             spg.shutdown()
             raise
-        sl = cls(topo, spg, workers, world)
-        sl._register()
-        logger.info("slice %s ready: %d chip workers in %.1fs", sl.name, len(workers),
-                    time.monotonic() - t0)
+        if join_world:
+            sl._register()
+            logger.info("slice %s ready: %d chip workers in %.1fs", sl.name, len(workers),
+                        time.monotonic() - t0)
         return sl
+
+    @classmethod
+    def reserve_joint(cls, topologies: Sequence[Topology | str], *,
+                      timeout_s: float | None = None, worker_timeout_s: float = 180.0,
+                      compilation_cache_dir: str | None = None) -> list[Slice]:
+        """Reserve several slices whose chips form one JAX world (multislice).
+
+        Each slice still runs its own programs on its own devices; a program
+        over a mesh spanning them runs on all, with collectives between slices
+        (DCN on TPU, gloo here). The world lives and dies as one: losing any
+        slice loses it, as with any multislice job.
+        """
+        slices: list[Slice] = []
+        try:
+            for spec in topologies:
+                slices.append(cls.reserve(spec, timeout_s=timeout_s,
+                                          worker_timeout_s=worker_timeout_s, join_world=False))
+            cls._init_world(slices, worker_timeout_s, compilation_cache_dir)
+        except BaseException:
+            for sl in slices:
+                sl.shutdown()
+            raise
+        for sl in slices:
+            sl._register()
+        return slices
 
     @staticmethod
     def _timeout(topo: Topology, timeout_s: float, t0: float) -> ReservationTimeout:
@@ -191,36 +221,41 @@ class Slice:
         )
 
     @staticmethod
-    def _init_world(topo: Topology, workers: list[SliceWorker], timeout_s: float,
-                    compilation_cache_dir: str | None) -> list[dict]:
+    def _init_world(slices: list[Slice], timeout_s: float,
+                    compilation_cache_dir: str | None) -> None:
+        """One JAX world over the chips of ``slices``, slice after slice in rank order."""
+        workers = [w for sl in slices for w in sl.workers]
         ports = _get([w.handle.reserve_port.remote() for w in workers], timeout_s,
                      "reserving ports", "worker_timeout_s")
         addresses = [f"{w.info.ip}:{p}" for w, p in zip(workers, ports, strict=True)]
         coordinator = addresses[0]
-        world = _get(
-            [
-                w.handle.init_world.remote(
+        refs, offset = [], 0
+        for sid, sl in enumerate(slices):
+            n = sl.num_chips
+            multislice = ((sid, len(slices), workers[0].info.ip) if len(slices) > 1 else None)
+            for w in sl.workers:
+                refs.append(w.handle.init_world.remote(
                     coordinator=coordinator,
                     num_processes=len(workers),
-                    rank=w.rank,
+                    rank=offset + w.rank,
                     timeout_s=timeout_s,
-                    process_addresses=addresses,
-                    slice_shape=topo.shape,
+                    process_addresses=addresses[offset:offset + n],
+                    slice_shape=sl.topology.shape,
                     compilation_cache_dir=compilation_cache_dir,
-                )
-                for w in workers
-            ],
-            timeout_s + 30,
-            "initializing the slice's JAX world",
-            "worker_timeout_s",
-        )
-        for w, info in zip(workers, world, strict=True):
-            if info["device_count"] != topo.chips:
+                    slice_devices=(offset, n),
+                    multislice=multislice,
+                ))
+            sl.world_offset = offset
+            offset += n
+        world = _get(refs, timeout_s + 30, "initializing the JAX world", "worker_timeout_s")
+        for info in world:
+            if info["device_count"] != len(workers):
                 raise RuntimeError(
-                    f"rank {w.rank} sees {info['device_count']} devices, the slice has "
-                    f"{topo.chips} chips"
+                    f"rank {info['rank']} sees {info['device_count']} devices, the world has "
+                    f"{len(workers)} chips"
                 )
-        return world
+        for sl in slices:
+            sl.world = world[sl.world_offset:sl.world_offset + sl.num_chips]
 
     # ---- running ---------------------------------------------------------------------
     @property

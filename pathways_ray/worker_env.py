@@ -72,7 +72,8 @@ def cpu_env(environ: Mapping[str, str], devices: int = 1) -> dict[str, str]:
 
 
 def tpu_multiprocess_env(
-    *, rank: int, chip: int, process_addresses: Sequence[str], slice_shape: Sequence[int]
+    *, rank: int, chip: int, process_addresses: Sequence[str], slice_shape: Sequence[int],
+    multislice: tuple[int, int, str] | None = None,
 ) -> dict[str, str]:
     """libtpu's multi-process variables for one process per chip.
 
@@ -80,12 +81,17 @@ def tpu_multiprocess_env(
     bounds; one JAX program spanning every chip of the slice instead needs each
     process to own one chip (``TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1``) inside a
     process grid the shape of the slice, with every peer's address.
+
+    ``rank`` and ``process_addresses`` are the slice's own (the ICI grid).
+    ``multislice=(slice_id, num_slices, coordinator_ip)`` joins several slices
+    in one program over DCN, with the ``MEGASCALE_*`` variables Ray's JAX
+    trainer also sets.
     """
     if not 0 <= rank < len(process_addresses):
         raise ValueError(f"rank={rank} is outside 0..{len(process_addresses) - 1}")
     shape = list(slice_shape) + [1] * (3 - len(slice_shape))
     port = process_addresses[rank].rsplit(":", 1)[1]
-    return {
+    env = {
         "TPU_VISIBLE_CHIPS": str(chip),
         "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
         "TPU_PROCESS_BOUNDS": ",".join(map(str, shape)),
@@ -96,3 +102,11 @@ def tpu_multiprocess_env(
         "TPU_CHIPS_PER_HOST_BOUNDS": "",
         "TPU_HOST_BOUNDS": "",
     }
+    if multislice is not None:
+        slice_id, num_slices, coordinator = multislice
+        if not 0 <= slice_id < num_slices:
+            raise ValueError(f"multislice slice_id={slice_id} is outside 0..{num_slices - 1}")
+        env.update({"MEGASCALE_COORDINATOR_ADDRESS": coordinator,
+                    "MEGASCALE_NUM_SLICES": str(num_slices),
+                    "MEGASCALE_SLICE_ID": str(slice_id)})
+    return env

@@ -177,6 +177,11 @@ def test_reshard_within_and_across_slices_keeps_content_and_controller_flat(clie
     assert float(client.jit(lambda v: v.sum())(big).fetch()) == 2048 * 4096
 
 
+def test_a_mesh_across_separate_worlds_says_how_to_join_them(client):
+    with pytest.raises(ValueError, match=r"connect\(multislice=True\)"):
+        client.mesh((2, 4), ("slice", "chips"), slices=[0, 1])
+
+
 def test_freeing_handles_frees_shards(client, mesh):
     """Dropping the last handle frees the buffers on every chip."""
     name = client.slices[0].name

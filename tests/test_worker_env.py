@@ -54,3 +54,18 @@ def test_tpu_multiprocess_env():
     assert env3["TPU_PROCESS_BOUNDS"] == "2,2,2"
     with pytest.raises(ValueError, match="rank=8"):
         tpu_multiprocess_env(rank=8, chip=0, process_addresses=addrs[:8], slice_shape=(2, 4))
+
+
+def test_tpu_multiprocess_env_multislice():
+    """Slices joined in one world keep their own ICI grid and add the DCN (MEGASCALE) vars."""
+    addrs = [f"10.0.1.{i // 4}:{8470 + i}" for i in range(4)]
+    env = tpu_multiprocess_env(rank=2, chip=2, process_addresses=addrs, slice_shape=(2, 2),
+                               multislice=(1, 2, "10.0.0.0"))
+    assert env["CLOUD_TPU_TASK_ID"] == "2" and env["TPU_PROCESS_BOUNDS"] == "2,2,1"
+    assert env["MEGASCALE_SLICE_ID"] == "1" and env["MEGASCALE_NUM_SLICES"] == "2"
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "10.0.0.0"
+    assert "MEGASCALE_SLICE_ID" not in tpu_multiprocess_env(
+        rank=0, chip=0, process_addresses=addrs, slice_shape=(2, 2))
+    with pytest.raises(ValueError, match="slice_id=2"):
+        tpu_multiprocess_env(rank=0, chip=0, process_addresses=addrs, slice_shape=(2, 2),
+                             multislice=(2, 2, "10.0.0.0"))

@@ -1,0 +1,129 @@
+"""A mesh across slices: 2 emulated v6e 2x2 slices joined in one JAX world
+(``connect(multislice=True)``), one SPMD program over all 8 chips, beside each
+slice's own programs.
+
+The reference runs are in this test process on 8 fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pathways_ray import LocalFleet
+from pathways_ray.client import connect, reshard
+from tests.test_controller import _mlp_data, _mlp_loss, _sgd
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tms"):
+        c = connect(multislice=True)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+@pytest.fixture(scope="module")
+def both(client):
+    return [s.name for s in client.slices]
+
+
+@pytest.fixture(scope="module")
+def gmesh(client, both):
+    return client.mesh((2, 2, 2), ("slice", "data", "model"), slices=both)
+
+
+X = np.arange(64, dtype=np.float32).reshape(8, 8)
+
+
+def test_one_program_over_the_chips_of_both_slices(client, both, gmesh):
+    xg = client.device_put(X, NamedSharding(gmesh, P(("slice", "data"), "model")), slice=both)
+    assert xg.slice == "+".join(both)
+    centred = client.jit(lambda v: v - v.mean())(xg)  # a mean over all 8 chips
+    np.testing.assert_allclose(centred.fetch(), X - X.mean())
+    w = client.device_put(np.eye(8, dtype=np.float32) * 0.3, NamedSharding(gmesh, P()),
+                          slice=both)
+    out = client.jit(lambda v, w: jnp.tanh(v @ w).sum(axis=0))(xg, w)
+    np.testing.assert_allclose(out.fetch(), np.tanh(X @ (np.eye(8) * 0.3)).sum(0), rtol=1e-5)
+    # Every chip of both slices holds a shard of the group's arrays.
+    workers = client.stats()["+".join(both)]["workers"]
+    assert len(workers) == 8 and all(w["buffers"] >= 2 for w in workers)
+
+
+def test_each_slice_still_runs_its_own_programs_interleaved_with_the_group(client, both,
+                                                                          gmesh):
+    m = client.mesh((2, 2), ("data", "model"))
+    xs = [client.device_put(X * (i + 1), NamedSharding(m, P("data", "model")), slice=s)
+          for i, s in enumerate(both)]
+    xg = client.device_put(X, NamedSharding(gmesh, P("slice")), slice=both)
+    f = client.jit(lambda v: v * 0.5 + 1.0)
+    g = client.jit(lambda v: v - v.mean())
+    for _ in range(10):  # slice, group and slice commands share workers: order must hold
+        xs[0], xg, xs[1] = f(xs[0]), g(xg), f(xs[1])
+    ref = [X * (i + 1) for i in range(2)]
+    refg = X.copy()
+    for _ in range(10):
+        ref = [r * 0.5 + 1.0 for r in ref]
+        refg = refg - refg.mean()
+    for got, want in zip(xs, ref, strict=True):
+        np.testing.assert_allclose(got.fetch(), want, rtol=1e-6)
+    np.testing.assert_allclose(xg.fetch(), refg, atol=1e-4)
+
+
+def test_reshard_between_one_slice_and_both(client, both, gmesh):
+    m = client.mesh((4,), ("chips",))
+    on_b = client.device_put(X, NamedSharding(m, P("chips")), slice=both[1])
+    spread = reshard(on_b, NamedSharding(gmesh, P(("slice", "data", "model"))), slice=both)
+    np.testing.assert_allclose(spread.fetch(), X)
+    back = reshard(client.jit(lambda v: v * 2)(spread), NamedSharding(m, P()), slice=both[0])
+    np.testing.assert_allclose(back.fetch(), X * 2)
+
+
+def test_mlp_parity_one_spmd_program_across_slices(client, both):
+    """20 steps, the batch over (slice, data) and the gradient all-reduce inside one
+    program across both slices, match one process on 8 fake CPU devices."""
+    params, x, y = _mlp_data()
+    steps = 20
+
+    def step(p, xb, yb):
+        loss, g = jax.value_and_grad(_mlp_loss)(p, xb, yb)
+        return loss, _sgd(p, g)
+
+    ref_mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("slice", "data"))
+    rep, dat = NamedSharding(ref_mesh, P()), NamedSharding(ref_mesh, P(("slice", "data")))
+    ref_step = jax.jit(step, out_shardings=(rep, rep))
+    p_ref, xr, yr = jax.device_put(params, rep), jax.device_put(x, dat), jax.device_put(y, dat)
+    ref_losses = []
+    for _ in range(steps):
+        loss, p_ref = ref_step(p_ref, xr, yr)
+        ref_losses.append(float(loss))
+
+    gm = client.mesh((2, 4), ("slice", "data"), slices=both)
+    grep, gdat = NamedSharding(gm, P()), NamedSharding(gm, P(("slice", "data")))
+    remote_step = client.jit(step, out_shardings=(grep, grep))
+    p = client.device_put(params, grep, slice=both)
+    xb, yb = client.device_put(x, gdat, slice=both), client.device_put(y, gdat, slice=both)
+    losses = []
+    for _ in range(steps):
+        loss, p = remote_step(p, xb, yb)
+        losses.append(loss)
+    got = [float(v.fetch()) for v in losses]
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
+    assert got[-1] < got[0]
+
+
+def test_a_group_mesh_must_fit_and_follow_world_order(client, both):
+    with pytest.raises(ValueError, match=r"make 4 devices; slices .* have 8 chips"):
+        client.mesh((2, 2), ("slice", "data"), slices=both)
+    with pytest.raises(ValueError, match=r"consecutive slices in world order"):
+        client.mesh((2, 4), ("slice", "data"), slices=list(reversed(both)))
+    with pytest.raises(ValueError, match=r"two or more different slices"):
+        client.mesh((2, 4), ("slice", "data"), slices=[both[0], both[0]])
