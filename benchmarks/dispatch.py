@@ -114,9 +114,12 @@ def main() -> None:
         for target in args.targets_ms:
             n = max(1, round((target - base * 1e3) / unit_ms))
             fn = client.jit(make_step(n))
-            got = multi(fn, max(10, int(200 / target))) / max(10, int(200 / target)) * 1e3
+            probe = max(10, int(300 / target))
+            got = multi(fn, probe) / probe * 1e3
             if abs(got - target) > 0.15 * target and got > base * 1e3:  # calibrate once more
-                n = max(1, round(n * (target - base * 1e3) / (got - base * 1e3)))
+                # (bounded: one noisy probe must not throw the step far off)
+                factor = min(1.5, max(0.67, (target - base * 1e3) / (got - base * 1e3)))
+                n = max(1, round(n * factor))
                 fn = client.jit(make_step(n))
             k = max(20, int(args.seconds * 1e3 / target))
             m_runs, s_runs, costs = [], [], []

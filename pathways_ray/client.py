@@ -553,7 +553,8 @@ def connect(slices: list | None = None, *, reserve_timeout_s: float = 120.0,
     # The controller runs beside its client (as Ray Train's controller runs beside the
     # driver): off the TPU hosts, whose CPUs and memory belong to the chips, and one
     # local hop from the client that feeds it every step.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # Hard affinity: with soft=True Ray placed it on a TPU host in 1 of 4 tries here.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=env,
                        scheduling_strategy=here)(Controller).remote(
         specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
