@@ -20,6 +20,7 @@ has been run" for the queries that must follow the stream (fetch, ready).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import pickle
@@ -28,6 +29,8 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+
+from pathways_ray.errors import WorkerDied
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +87,6 @@ class ChannelServer:
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name="pathways-ray-commands")
         self._thread.start()
-
-    @property
-    def batches_done(self) -> int:
-        return self._done
 
     def wait_for(self, n: int, timeout_s: float) -> None:
         with self._cond:
@@ -149,36 +148,56 @@ class ChannelServer:
 
 
 class CommandChannel:
-    """Controller side: one connection to one worker's ``ChannelServer``."""
+    """Controller side: one connection to one worker's ``ChannelServer``.
 
-    def __init__(self, address: tuple[str, int], token: bytes, timeout_s: float = 600.0):
+    ``what`` names the worker in errors. A broken connection (the worker or its
+    host died) raises ``WorkerDied``; a worker that stops making progress raises
+    ``TimeoutError`` after ``timeout_s``.
+    """
+
+    def __init__(self, address: tuple[str, int], token: bytes, timeout_s: float = 600.0,
+                 what: str = "a chip worker"):
         self.timeout_s = timeout_s
-        self._sock = socket.create_connection(tuple(address), timeout=timeout_s)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.sendall(token)
+        self.what = what
+        self._address = tuple(address)
         self.sent = 0
         self.acked = 0
+        with self._broken():
+            self._sock = socket.create_connection(self._address, timeout=timeout_s)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.sendall(token)
 
     def send(self, payload: bytes, max_inflight: int | None = None) -> None:
         """Send one pickled batch; with ``max_inflight``, wait (up to ``timeout_s``)
         until at most that many sent batches have not run yet."""
-        send_msg(self._sock, payload)
+        with self._broken():
+            send_msg(self._sock, payload)
         self.sent += 1
         if max_inflight is not None:
             self.wait_acked(self.sent - max_inflight)
 
     def wait_acked(self, n: int) -> None:
-        try:
+        with self._broken(n):
             while self.acked < n:
                 (self.acked,) = _LEN.unpack(_recv_exact(self._sock, _LEN.size))
-        except TimeoutError:
-            raise TimeoutError(f"a chip worker ran {self.acked} of {n} command batches; no "
-                               f"progress within {self.timeout_s:g} s") from None
+
+    @contextlib.contextmanager
+    def _broken(self, waiting_for: int | None = None):
+        try:
+            yield
+        except TimeoutError:  # an OSError too: test it first
+            raise TimeoutError(f"{self.what} ran {self.acked} of "
+                               f"{self.sent if waiting_for is None else waiting_for} command "
+                               f"batches; no progress within {self.timeout_s:g} s") from None
+        except OSError as e:  # ConnectionError included
+            raise WorkerDied(f"the command stream to {self.what} at "
+                             f"{self._address[0]}:{self._address[1]} broke after "
+                             f"{self.sent} batches ({e}); the worker or its host died") from e
 
     def close(self) -> None:
         try:
             self._sock.close()
-        except OSError:
+        except (OSError, AttributeError):
             pass
 
 

@@ -52,10 +52,6 @@ class Placement:
         return sum(s.num_chips for s in self.slices)
 
 
-def group_name(slice_names: list[str]) -> str:
-    return "+".join(slice_names)
-
-
 class Controller:
     """Create with ``ray.remote(Controller)``; the client talks to it."""
 
@@ -88,8 +84,10 @@ class Controller:
                     self.slices[s.name] = s
             for s in self.slices.values():
                 ends = ray.get([w.handle.open_channel.remote() for w in s.workers], timeout=120)
-                self._channels[s.name] = [CommandChannel(address, token)
-                                          for address, token in ends]
+                self._channels[s.name] = [
+                    CommandChannel(address, token,
+                                   what=f"chip worker rank {w.rank} of slice {s.name}")
+                    for w, (address, token) in zip(s.workers, ends, strict=True)]
         except BaseException:
             self.shutdown()
             raise
@@ -109,7 +107,7 @@ class Controller:
     # ---- what the client asks ------------------------------------------------
     def describe(self) -> list[dict]:
         return [{"name": s.name, "topology": str(s.topology), "chips": s.num_chips,
-                 "chips_per_host": s.topology.chips_per_host, "world_offset": s.world_offset,
+                 "chips_per_host": s.topology.chips_per_host,
                  "workers": [(w.rank, w.info.worker_id, w.info.chip) for w in s.workers]}
                 for s in self.slices.values()]
 
@@ -128,7 +126,7 @@ class Controller:
             order = [s.name for s in sorted(self.slices.values(), key=lambda m: m.world_offset)]
             raise ValueError(f"slices={slice_names} must be consecutive slices in world order "
                              f"{order}")
-        name = group_name(list(slice_names))
+        name = "+".join(slice_names)
         if name not in self.placements:
             self._add_placement(Placement(name, members))
         return {"name": name, "chips": self.placements[name].chips,
@@ -272,7 +270,6 @@ class Controller:
     def _place(self, name: str) -> Placement:
         try:
             return self.placements[name]
-        except (KeyError, AttributeError):
-            known = sorted(getattr(self, "placements", self.slices))
+        except KeyError:
             raise ValueError(f"slice={name!r} is not held by this controller; it holds "
-                             f"{known}") from None
+                             f"{sorted(self.placements)}") from None

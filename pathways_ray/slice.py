@@ -74,13 +74,12 @@ class Slice:
     Use ``Slice.reserve(...)``; release it with ``shutdown()`` or a ``with`` block.
     """
 
-    def __init__(self, topology: Topology, spg, workers: list[SliceWorker], world: list[dict],
-                 world_offset: int = 0):
+    def __init__(self, topology: Topology, spg, workers: list[SliceWorker], world: list[dict]):
         self.topology = topology
         self._spg = spg
         self.workers = workers
         self.world = world
-        self.world_offset = world_offset  # this slice's first device in its JAX world
+        self.world_offset = 0  # this slice's first device in its JAX world
         self.name = workers[0].info.slice_name
         self._closed = False
 
@@ -101,7 +100,8 @@ class Slice:
         ``timeout_s`` bounds the reservation (default ``$PATHWAYS_RAY_RESERVE_TIMEOUT_S``
         or 60 s); ``worker_timeout_s`` bounds starting the workers and their JAX world.
         ``compilation_cache_dir`` (a path every host sees) turns on JAX's persistent
-        compilation cache on every chip.
+        compilation cache on every chip. ``join_world=False`` starts the workers
+        without a JAX world (``reserve_joint`` then joins several slices in one).
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from pathways_ray.channel import ChannelServer, CommandChannel, dumps
+from pathways_ray.errors import WorkerDied
 
 
 @pytest.fixture
@@ -108,3 +109,16 @@ def test_a_handler_error_does_not_stop_the_stream():
     assert seen == [["a"], ["c"]]
     ch.close()
     srv.close()
+
+
+def test_a_worker_that_dies_is_named():
+    srv = ChannelServer("127.0.0.1", lambda batch: None)
+    ch = CommandChannel(srv.address, srv.token, timeout_s=10, what="chip worker rank 3 of s")
+    ch.send(dumps(["a"]))
+    ch.wait_acked(1)
+    srv.close()  # the worker's process is gone: its end of the stream closes
+    with pytest.raises(WorkerDied, match=r"command stream to chip worker rank 3 of s at "
+                                         r"127\.0\.0\.1:\d+ broke after \d+ batches"):
+        for _ in range(100):  # the first sends may still land in the kernel's buffer
+            ch.send(dumps(["b"]), max_inflight=1)
+    ch.close()
