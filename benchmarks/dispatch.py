@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
 from pathways_ray.client import connect
+from pathways_ray.testing import DebugController
 
 DIM = 128
 
@@ -53,7 +54,8 @@ def main() -> None:
     args = ap.parse_args()
 
     with LocalFleet(num_slices=1, accelerator="v6e", topology="2x2", name="bdisp"):
-        client = connect() if args.max_batch is None else connect(max_batch=args.max_batch)
+        client = connect(controller_cls=DebugController,
+                         **({} if args.max_batch is None else {"max_batch": args.max_batch}))
         ctl = client._controller
         me = psutil.Process()
         ctl_proc = psutil.Process(ray.get(ctl.pid.remote()))

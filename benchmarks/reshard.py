@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
 from pathways_ray.client import connect
+from pathways_ray.testing import DebugController, reshard_via_controller
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
     rows = args.mib * 2**20 // (4 * 1024)
     with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="bresh",
                     object_store_mb=max(512, 6 * args.mib)):
-        client = connect()
+        client = connect(controller_cls=DebugController)
         mesh = client.mesh((4,), ("chips",))
         sharding = NamedSharding(mesh, P("chips"))
         x = client.device_put(np.ones((rows, 1024), np.float32), sharding, slice=0)
@@ -40,7 +41,8 @@ def main() -> None:
         for rep in range(args.reps + 1):  # the first round warms up both paths
             for via in ((False, True) if rep % 2 else (True, False)):  # alternate the order
                 t0 = time.perf_counter()
-                y = client.reshard(x, sharding, slice=1, via_controller=via)
+                y = (reshard_via_controller(client, x, sharding, 1) if via
+                     else client.reshard(x, sharding, slice=1))
                 y.block_until_ready()
                 times[via].append(time.perf_counter() - t0)
                 del y

@@ -28,7 +28,7 @@ def ddp_loop(steps: int, batch: int, rank: int, world: int) -> float:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from pathways_ray.lm import MarkovText
+    from pathways_ray.demo.lm import MarkovText
     from pathways_ray.trainers.torch_lm import TinyLM, global_batch, lm_loss, shard_rows
 
     torch.set_num_threads(1)

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import ray.train
 
-from pathways_ray.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs, sgd_update
+from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs, sgd_update
 from pathways_ray.trainers import (
     Checkpoint,
     JaxTrainer,
@@ -115,7 +115,7 @@ def train_loop(config: dict) -> None:
 
 def train_loop_single_controller(config: dict) -> None:
     """Single controller: runs once; the slices run the compiled steps."""
-    from pathways_ray.multislice import DataParallelTrainer
+    from pathways_ray.data_parallel import DataParallelTrainer
 
     client = get_client()
     cfg = LMConfig(lr=config["lr"])

@@ -20,7 +20,7 @@ import ray.train
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from pathways_ray.lm import MarkovText
+from pathways_ray.demo.lm import MarkovText
 from pathways_ray.trainers import (
     Checkpoint,
     TorchTrainer,

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from pathways_ray.lm import MarkovText
+from pathways_ray.demo.lm import MarkovText
 from pathways_ray.trainers import (
     Checkpoint,
     TorchTrainer,

@@ -1,50 +1,82 @@
 """pathways-ray: a Pathways-style single-controller runtime for TPU fleets, on Ray.
 
-Public names only; implementation lives in the modules.
+The names a user needs, loaded on first use (PEP 562): importing the package
+imports neither Ray nor JAX, so its pure modules (``pathways_ray.topology``,
+``pathways_ray.errors``, ...) work where Ray is not installed. Everything else
+lives in its module (``pathways_ray.controller.Controller``, ...).
 """
 
-from pathways_ray.chip_worker import ChipWorker
-from pathways_ray.client import Client, Compiled, JitFunction, RemoteArray, connect, reshard
-from pathways_ray.cluster import HostView, SliceView
-from pathways_ray.controller import Controller
+from __future__ import annotations
+
+import importlib
+
 from pathways_ray.errors import (
+    ControllerDied,
     FleetError,
     PathwaysError,
+    RemoteError,
     ReservationTimeout,
     SliceLost,
+    WaitTimeout,
     WorkerDied,
 )
-from pathways_ray.executor import RemoteError
-from pathways_ray.fleet import Fleet, LocalFleet, cluster_or_local
-from pathways_ray.program import Program
-from pathways_ray.slice import Slice, SliceWorker
-from pathways_ray.topology import Generation, Topology
+from pathways_ray.topology import Topology
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it
+_LAZY = {
+    "connect": "pathways_ray.client",
+    "reshard": "pathways_ray.client",
+    "Client": "pathways_ray.client",
+    "RemoteArray": "pathways_ray.arrays",
+    "Fleet": "pathways_ray.fleet",
+    "LocalFleet": "pathways_ray.local_fleet",
+    "cluster_or_local": "pathways_ray.local_fleet",
+    "Slice": "pathways_ray.slice",
+}
+# Names of earlier releases, still served from their modules; not in __all__.
+_MOVED = {
+    "ChipWorker": "pathways_ray.chip_worker",
+    "Compiled": "pathways_ray.jit",
+    "Controller": "pathways_ray.controller",
+    "Generation": "pathways_ray.topology",
+    "HostView": "pathways_ray.cluster",
+    "JitFunction": "pathways_ray.jit",
+    "Program": "pathways_ray.program",
+    "SliceView": "pathways_ray.cluster",
+    "SliceWorker": "pathways_ray.slice",
+}
+
 __all__ = [
-    "ChipWorker",
     "Client",
-    "Compiled",
-    "Controller",
-    "JitFunction",
-    "Program",
-    "RemoteArray",
-    "RemoteError",
-    "cluster_or_local",
-    "connect",
-    "reshard",
+    "ControllerDied",
     "Fleet",
     "FleetError",
-    "Generation",
-    "HostView",
     "LocalFleet",
     "PathwaysError",
+    "RemoteArray",
+    "RemoteError",
     "ReservationTimeout",
     "Slice",
     "SliceLost",
-    "SliceView",
-    "SliceWorker",
     "Topology",
+    "WaitTimeout",
     "WorkerDied",
+    "cluster_or_local",
+    "connect",
+    "reshard",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name) or _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pathways_ray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_MOVED))

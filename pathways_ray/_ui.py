@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+LOG_WIDTH = 160  # columns when writing to a pipe or file
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console for the CLI. On a terminal, rich's own choices; into a pipe or a log
+    file, no colours (rich drops them there) and wide lines, since rich's 80-column
+    default would cut the status table."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, width=LOG_WIDTH)
+    return console
 
 
 class fleet_progress:

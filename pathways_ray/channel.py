@@ -25,12 +25,13 @@ import hmac
 import logging
 import pickle
 import secrets
+import select
 import socket
 import struct
 import threading
 from collections.abc import Callable
 
-from pathways_ray.errors import WorkerDied
+from pathways_ray.errors import WaitTimeout, WorkerDied
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ class ChannelServer:
         with self._cond:
             if not self._cond.wait_for(lambda: self._done >= n or self._closed,
                                        timeout=timeout_s):
-                raise TimeoutError(f"the command stream reached batch {self._done}, not {n}, "
-                                   f"within {timeout_s:g} s")
+                raise WaitTimeout(f"the command stream reached batch {self._done}, not {n}, "
+                                  f"within {timeout_s:g} s ($PATHWAYS_RAY_STREAM_TIMEOUT_S)")
 
     def _serve(self) -> None:
         while not self._closed:
@@ -152,7 +153,7 @@ class CommandChannel:
 
     ``what`` names the worker in errors. A broken connection (the worker or its
     host died) raises ``WorkerDied``; a worker that stops making progress raises
-    ``TimeoutError`` after ``timeout_s``.
+    ``WaitTimeout`` after ``timeout_s``.
     """
 
     def __init__(self, address: tuple[str, int], token: bytes, timeout_s: float = 600.0,
@@ -162,6 +163,7 @@ class CommandChannel:
         self._address = tuple(address)
         self.sent = 0
         self.acked = 0
+        self._acks = b""  # a partial ack frame read so far
         with self._broken():
             self._sock = socket.create_connection(self._address, timeout=timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -169,8 +171,14 @@ class CommandChannel:
 
     def send(self, payload: bytes, max_inflight: int | None = None) -> None:
         """Send one pickled batch; with ``max_inflight``, wait (up to ``timeout_s``)
-        until at most that many sent batches have not run yet."""
+        until at most that many sent batches have not run yet.
+
+        Acks that already arrived are read first, without blocking: a worker that
+        died closed its end, and that shows here, at the next send, rather than
+        after ``max_inflight`` more batches went into a dead socket's buffer.
+        """
         with self._broken():
+            self._read_acks(block=False)
             send_msg(self._sock, payload)
         self.sent += 1
         if max_inflight is not None:
@@ -179,16 +187,39 @@ class CommandChannel:
     def wait_acked(self, n: int) -> None:
         with self._broken(n):
             while self.acked < n:
-                (self.acked,) = _LEN.unpack(_recv_exact(self._sock, _LEN.size))
+                self._read_acks(block=True)
+
+    def poll(self) -> None:
+        """Read the acks that arrived, without blocking; ``WorkerDied`` if the worker's
+        end is closed."""
+        with self._broken():
+            self._read_acks(block=False)
+
+    def _read_acks(self, block: bool) -> None:
+        while True:
+            # (MSG_DONTWAIT would not do: a socket with a timeout polls before recv)
+            if not block and not select.select([self._sock], [], [], 0)[0]:
+                return
+            data = self._sock.recv(4096)
+            if not data:
+                raise ConnectionError("the worker closed the stream")
+            buf = self._acks + data
+            whole = len(buf) - len(buf) % _LEN.size
+            if whole:
+                (self.acked,) = _LEN.unpack_from(buf, whole - _LEN.size)
+            self._acks = buf[whole:]
+            if block:
+                return
 
     @contextlib.contextmanager
     def _broken(self, waiting_for: int | None = None):
         try:
             yield
         except TimeoutError:  # an OSError too: test it first
-            raise TimeoutError(f"{self.what} ran {self.acked} of "
-                               f"{self.sent if waiting_for is None else waiting_for} command "
-                               f"batches; no progress within {self.timeout_s:g} s") from None
+            raise WaitTimeout(f"{self.what} ran {self.acked} of "
+                              f"{self.sent if waiting_for is None else waiting_for} command "
+                              f"batches; no progress within {self.timeout_s:g} s "
+                              f"($PATHWAYS_RAY_STREAM_TIMEOUT_S)") from None
         except OSError as e:  # ConnectionError included
             raise WorkerDied(f"the command stream to {self.what} at "
                              f"{self._address[0]}:{self._address[1]} broke after "

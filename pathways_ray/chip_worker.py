@@ -17,14 +17,14 @@ import time
 import numpy as np
 import ray
 
+from pathways_ray import boundary
 from pathways_ray.channel import ChannelServer
+from pathways_ray.config import PLATFORM_ENV, timeout_s
+from pathways_ray.errors import SliceLost, WaitTimeout, WorkerDied
 from pathways_ray.executor import Executor
 from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env
 
 logger = logging.getLogger(__name__)
-
-PLATFORM_ENV = "PATHWAYS_RAY_PLATFORM"
-STREAM_WAIT_S = 600.0  # how long a put waits for its pieces, a query for the stream
 
 
 def detect_platform() -> str:
@@ -65,7 +65,8 @@ class ChipWorker:
         self._reducers: dict = {}
         self.executor: Executor | None = None
         self._channel: ChannelServer | None = None
-        self._staged: dict[int, list] = {}  # buffer id -> this chip's (ref, index) pieces
+        # buffer id -> (this chip's (ref, index) pieces, the slice they come from or None)
+        self._staged: dict[int, tuple[list, str | None]] = {}
         self._staged_cond = threading.Condition()
 
     # ---- placement ---------------------------------------------------------
@@ -190,21 +191,32 @@ class ChipWorker:
         return self._channel.address, self._channel.token
 
     @ray.method(concurrency_group="control")
-    def stage(self, buffer_id: int, pieces: list) -> None:
+    def stage(self, buffer_id: int, pieces: list, source: str | None = None) -> None:
         """Hand over the object refs a later ``put`` in the stream assembles this
-        chip's shard from (refs travel by Ray call so Ray tracks who holds them)."""
+        chip's shard from (refs travel by Ray call so Ray tracks who holds them).
+        ``source`` names the slice they come from (a cross-slice reshard)."""
         with self._staged_cond:
-            self._staged[buffer_id] = pieces
+            self._staged[buffer_id] = (pieces, source)
             self._staged_cond.notify_all()
 
     def _take_pieces(self, buffer_id: int) -> list:
+        wait_s = timeout_s("stream")
         with self._staged_cond:
             if not self._staged_cond.wait_for(lambda: buffer_id in self._staged,
-                                              timeout=STREAM_WAIT_S):
-                raise TimeoutError(f"the pieces of buffer {buffer_id} did not arrive within "
-                                   f"{STREAM_WAIT_S:g} s")
-            pieces = self._staged.pop(buffer_id)
-        values = ray.get([ref for ref, _ in pieces], timeout=STREAM_WAIT_S)
+                                              timeout=wait_s):
+                raise WaitTimeout(f"the pieces of buffer {buffer_id} did not arrive within "
+                                  f"{wait_s:g} s ($PATHWAYS_RAY_STREAM_TIMEOUT_S)")
+            pieces, source = self._staged.pop(buffer_id)
+
+        def died(e: BaseException):
+            if source is None:
+                return WorkerDied(f"the data of buffer {buffer_id} was lost before this chip "
+                                  f"read it: {e}")
+            return SliceLost(source, reason=f"it died before this chip copied buffer "
+                                            f"{buffer_id} from it ({type(e).__name__})")
+
+        values = boundary.get([ref for ref, _ in pieces], timeout="stream",
+                              what=f"the pieces of buffer {buffer_id}", died=died)
         return [(index, v) for (_, index), v in zip(pieces, values, strict=True)]
 
     def _after(self, batches: int) -> None:
@@ -213,17 +225,18 @@ class ChipWorker:
         if batches:
             if self._channel is None:
                 raise RuntimeError("no command stream is open on this chip worker")
-            self._channel.wait_for(batches, STREAM_WAIT_S)
-
-    def repeat(self, fingerprint: str, buffer_id: int, k: int, after: int = 0) -> float:
-        """Run a loaded one-argument program k times here (the multi-controller baseline)."""
-        self._after(after)
-        return self.executor.repeat(fingerprint, buffer_id, k)
+            self._channel.wait_for(batches, timeout_s("stream"))
 
     def shard(self, buffer_id: int, after: int = 0) -> np.ndarray:
         """This chip's shard of a buffer (raises the remote error of a failed buffer)."""
         self._after(after)
         return self.executor.local_shard(buffer_id)
+
+    @ray.method(num_returns=2)
+    def checked_shard(self, buffer_id: int, after: int = 0) -> tuple[bool, np.ndarray]:
+        """``(True, shard)`` as two objects: a caller can wait for the small first one
+        to learn that the shard exists (or why not) without pulling the shard."""
+        return True, self.shard(buffer_id, after)
 
     def ready(self, buffer_ids: list[int], after: int = 0) -> bool:
         """True once the buffers are computed; raises the remote error if one failed."""

@@ -16,14 +16,14 @@ import signal
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 
+from pathways_ray._ui import make_console
 from pathways_ray.errors import PathwaysError
 from pathways_ray.topology import GENERATIONS, Topology
 
-console = Console()
-err = Console(stderr=True)
+console = make_console()
+err = make_console(stderr=True)
 
 
 def _positive_int(text: str) -> int:
@@ -121,7 +121,7 @@ def _add_plugins(sub) -> None:
 
 def cmd_up(args) -> int:
     from pathways_ray._ui import fleet_progress
-    from pathways_ray.fleet import LocalFleet
+    from pathways_ray.local_fleet import LocalFleet
     from pathways_ray.status import collect_status, render_status
 
     topo = _topology(args)
@@ -149,7 +149,8 @@ def cmd_up(args) -> int:
 def _connect_for_status(args):
     """Connect to --address, $RAY_ADDRESS, or the running local fleet."""
     from pathways_ray import _auth
-    from pathways_ray.fleet import Fleet, running_fleets
+    from pathways_ray.fleet import Fleet
+    from pathways_ray.local_fleet import running_fleets
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address is None:
@@ -183,7 +184,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_down(args) -> int:
-    from pathways_ray.fleet import running_fleets, stop_local_fleet
+    from pathways_ray.local_fleet import running_fleets, stop_local_fleet
 
     running = running_fleets()
     if args.all:
@@ -216,6 +217,18 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def handle_sigterm_as_interrupt() -> None:
+    """Kubernetes, Docker and systemd stop a process with SIGTERM: unwind as on Ctrl-C
+    (``KeyboardInterrupt``), so every command stops what it started. One unwind: a
+    second SIGTERM does not cut the cleanup short."""
+
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "demo": cmd_demo}
 
 
@@ -226,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # `kill <pid>` unwinds like Ctrl-C, so fleets stop their processes.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    handle_sigterm_as_interrupt()
     try:
         return COMMANDS[args.command](args)
     except ValueError as e:

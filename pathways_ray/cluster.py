@@ -1,6 +1,6 @@
 """What TPU slices a Ray cluster has, read from its nodes' labels and resources.
 
-Pure: works on the dicts ``ray.nodes()`` and
+Pure except ``cluster_slices()``: works on the dicts ``ray.nodes()`` and
 ``ray._private.state.available_resources_per_node()`` return, so it is tested
 without Ray and used the same way on an emulated fleet and on real TPU hosts.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pathways_ray.topology import Topology
 
-__all__ = ["HostView", "SliceView", "describe_capacity", "slices_from_nodes"]
+__all__ = ["HostView", "SliceView", "cluster_slices", "describe_capacity", "slices_from_nodes"]
 
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
@@ -170,3 +170,13 @@ def describe_capacity(slices: Iterable[SliceView]) -> str:
             f"{s.chips_free}/{s.chips} chips free{extra}"
         )
     return "\n".join(lines) if lines else "no TPU slices (no node has ray.io/tpu-slice-name)"
+
+
+def cluster_slices() -> list[SliceView]:
+    """The TPU slices of the Ray cluster this process is connected to, with free chips
+    per host. The one place that reads Ray's private state API (free resources per
+    node have no public call in Ray 2.60)."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    return slices_from_nodes(ray.nodes(), available_resources_per_node())

@@ -3,27 +3,38 @@
 It reserves slices (``Slice.reserve``), keeps the program registry (each
 program's bytes arrive once and are loaded onto a slice the first time that
 slice runs it) and the array registry (which buffer ids live on which slice),
-and forwards command batches to every chip worker of a slice over its command
-stream (``channel.py``). It never holds array bytes: device_put data, fetched
-shards and cross-slice transfers move between the client and the workers, or
-worker to worker, as object refs it only passes along (by Ray call, which
-tracks their ownership).
+and forwards command batches (``commands.py``) to every chip worker of a
+slice over its command stream (``channel.py``). It never holds array bytes:
+device_put data, fetched shards and cross-slice transfers move between the
+client and the workers, or worker to worker, as object refs it only passes
+along (by Ray call, which tracks their ownership).
 
 Order: the controller is the only writer of each worker's stream, and a
 worker runs its stream in order, so every worker of a slice sees the same
 command sequence. A query (fetch, ready) carries the number of batches sent
 before it, and the worker answers only once it has run that many, so a fetch
 follows the commands that produced its buffer.
+
+Failure: a slice is the failure unit. When a stream to one of its workers
+breaks, or the client reports a worker of it dead, the controller marks the
+slice lost, names the hosts it found dead or unresponsive, and releases what
+is left of it; from then on every call that touches it raises that
+``SliceLost``, and the other slices carry on. (In a multislice world all
+slices share one JAX world, so they are lost together.)
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from pathways_ray import boundary
 from pathways_ray.channel import CommandChannel, dumps
-from pathways_ray.sharding import MeshShape, shard_slices, unique_shards
-from pathways_ray.slice import Slice
+from pathways_ray.commands import Command, Free, Load, Put, Run, placed
+from pathways_ray.config import timeout_s
+from pathways_ray.errors import SliceLost, WorkerDied
+from pathways_ray.sharding import MeshShape, transfer_plan
+from pathways_ray.slice import Slice, ping_all
 
 logger = logging.getLogger(__name__)
 
@@ -53,50 +64,60 @@ class Placement:
 
 
 class Controller:
-    """Create with ``ray.remote(Controller)``; the client talks to it."""
+    """Create with ``ray.remote(Controller)`` (``pathways_ray.connect()`` does)."""
 
-    def __init__(self, slices: list | None = None, reserve_timeout_s: float = 120.0,
+    worker_cls = None  # the chip worker actor class; None: ChipWorker (tests may subclass)
+
+    def __init__(self, slices: list | None = None, reserve_timeout_s: float | None = None,
                  max_inflight: int = 8, compilation_cache_dir: str | None = None,
                  multislice: bool = False):
-        import ray
-        from ray._private.state import available_resources_per_node
+        self._args = (slices, reserve_timeout_s, compilation_cache_dir, multislice)
+        self.max_inflight = max_inflight
+        self.slices: dict[str, Slice] = {}
+        self.lost: dict[str, SliceLost] = {}
+        self._channels: dict[str, list[CommandChannel]] = {}
+        self.placements: dict[str, Placement] = {}
+        self.loaded, self.arrays, self.loads_sent = {}, {}, {}
+        self.programs: dict[str, bytes] = {}
+        self.multislice = False
 
-        from pathways_ray.cluster import slices_from_nodes
+    def start(self) -> list[dict]:
+        """Reserve the slices, start their workers, open the command streams; returns
+        ``describe()``. (Not in ``__init__``: an error raised there reaches the caller
+        as Ray's ActorDiedError, losing its type; raised here it stays ours.)"""
+        from pathways_ray.cluster import cluster_slices
 
+        slices, reserve_timeout_s, compilation_cache_dir, multislice = self._args
         if slices is None:
-            free = [v for v in slices_from_nodes(ray.nodes(), available_resources_per_node())
-                    if v.idle and v.topology is not None]
-            slices = [v.topology for v in free]
+            slices = [v.topology for v in cluster_slices() if v.idle and v.topology is not None]
             if not slices:
                 raise RuntimeError("no free TPU slice in the cluster to reserve")
         self.multislice = multislice and len(slices) > 1
-        self.slices: dict[str, Slice] = {}
-        self._channels: dict[str, list[CommandChannel]] = {}
+        opts = dict(timeout_s=reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
+                    worker_cls=self.worker_cls)
         try:
             if self.multislice:
-                reserved = Slice.reserve_joint(slices, timeout_s=reserve_timeout_s,
-                                               compilation_cache_dir=compilation_cache_dir)
-                self.slices.update((s.name, s) for s in reserved)
+                self.slices.update((s.name, s) for s in Slice.reserve_joint(slices, **opts))
             else:
                 for spec in slices:
-                    s = Slice.reserve(spec, timeout_s=reserve_timeout_s,
-                                      compilation_cache_dir=compilation_cache_dir)
+                    s = Slice.reserve(spec, **opts)
                     self.slices[s.name] = s
             for s in self.slices.values():
-                ends = ray.get([w.handle.open_channel.remote() for w in s.workers], timeout=120)
+                ends = boundary.get(
+                    [w.handle.open_channel.remote() for w in s.workers], timeout="control",
+                    what=f"opening the command streams of {s.name}",
+                    died=lambda e, s=s: WorkerDied(f"a chip worker of {s.name} died before it "
+                                                   f"started: {e}"))
                 self._channels[s.name] = [
-                    CommandChannel(address, token,
+                    CommandChannel(address, token, timeout_s=timeout_s("stream"),
                                    what=f"chip worker rank {w.rank} of slice {s.name}")
                     for w, (address, token) in zip(s.workers, ends, strict=True)]
         except BaseException:
             self.shutdown()
             raise
-        self.placements: dict[str, Placement] = {}
-        self.loaded, self.arrays, self.loads_sent = {}, {}, {}
         for s in self.slices.values():
             self._add_placement(Placement(s.name, (s,)))
-        self.programs: dict[str, bytes] = {}
-        self.max_inflight = max_inflight
+        return self.describe()
 
     def _add_placement(self, p: Placement) -> None:
         self.placements[p.name] = p
@@ -135,141 +156,150 @@ class Controller:
     def register_program(self, fingerprint: str, blob: bytes) -> None:
         self.programs.setdefault(fingerprint, blob)
 
-    def submit(self, where: str, commands: list[tuple]) -> None:
+    def submit(self, where: str, commands: list[Command], source: str | None = None) -> None:
         """Forward a batch of commands to every chip of a placement (one message per
-        worker)."""
+        worker). ``source`` names the slice a put's pieces come from, if another."""
         p = self._place(where)
-        batch = []
-        live = self.arrays[where]
+        batch: list[Command] = []
+        live, loaded = self.arrays[where], self.loaded[where]
         for cmd in commands:
-            op = cmd[0]
-            if op == "run":
-                fp = cmd[1]
-                if fp not in self.loaded[where]:
-                    batch.append(("load", fp, self.programs[fp]))
-                    self.loaded[where].add(fp)
+            match cmd:
+                case Run(fingerprint=fp) if fp not in loaded:
+                    batch.append(Load(fp, self.programs[fp]))
+                    loaded.add(fp)
                     self.loads_sent[where] += 1
-                live.update(cmd[3])
-            elif op == "put":
-                live.add(cmd[1])
-                pieces = cmd[6]
-                for i, w in enumerate(p.workers):  # each chip gets the refs of its block only
-                    w.handle.stage.remote(cmd[1], pieces[i])
-                cmd = (*cmd[:6], p.start)
-            elif op == "reshard":
-                live.add(cmd[2])
-                cmd = (*cmd, p.start)
-            elif op == "free":
-                live.difference_update(cmd[1])
-            batch.append(cmd)
+                case Put(pieces=pieces) if pieces is not None:
+                    for w, mine in zip(p.workers, pieces, strict=True):  # each its own block
+                        w.handle.stage.remote(cmd.buffer, mine, source)
+                case Free():
+                    live.difference_update(cmd.buffers)
+            live.update(cmd.writes)
+            batch.append(placed(cmd, p.start))
         payload = dumps(batch)
         # Backpressure: a client that issues work faster than the slice runs it waits here.
         for s in p.slices:
             for ch in self._channels[s.name]:
-                ch.send(payload, self.max_inflight)
+                try:
+                    ch.send(payload, self.max_inflight)
+                except WorkerDied as e:
+                    raise self._lose(s.name, str(e)) from None
 
-    def _sent(self, where: str) -> list[int]:
+    def _sent(self, p: Placement) -> list[int]:
         """Batches sent to each worker of a placement: what a query must wait for."""
-        return [ch.sent for s in self._place(where).slices for ch in self._channels[s.name]]
+        return [ch.sent for s in p.slices for ch in self._channels[s.name]]
 
     def shard_refs(self, where: str, buffer_id: int, ranks: list[int]) -> list:
         """Object refs of the given ranks' shards (fetched by the client, not by us)."""
-        workers, sent = self._place(where).workers, self._sent(where)
+        p = self._place(where)
+        workers, sent = p.workers, self._sent(p)
         return [workers[r].handle.shard.remote(buffer_id, sent[r]) for r in ranks]
 
     def ready(self, where: str, buffer_ids: list[int]) -> list:
-        workers, sent = self._place(where).workers, self._sent(where)
-        return [w.handle.ready.remote(buffer_ids, n) for w, n in zip(workers, sent, strict=True)]
+        p = self._place(where)
+        return [w.handle.ready.remote(buffer_ids, n)
+                for w, n in zip(p.workers, self._sent(p), strict=True)]
 
-    def transfer(self, src: str, src_id: int, shape, dtype: str, src_mesh: MeshShape, src_spec,
-                 dst: str, dst_id: int, dst_mesh: MeshShape, dst_spec,
-                 via_controller: bool = False) -> None:
-        """Copy an array to another slice, shard by shard, worker to worker.
+    def transfer(self, src: str, src_id: int, src_mesh: MeshShape, src_spec, dst: str,
+                 put: Put) -> None:
+        """Copy an array to another slice as ``put`` (a new buffer there), shard by shard,
+        worker to worker.
 
         Each unique source shard becomes one object ref (the source worker's
-        ``shard`` result); each destination chip gets the refs that overlap its
-        block and assembles it. Only refs pass through here. ``via_controller``
-        instead pulls the bytes into this process and puts them again — the
-        design we do not use, kept to measure against (benchmarks/reshard.py).
+        ``checked_shard``); each destination chip gets the refs that overlap its
+        block and assembles it. Only refs pass through here. The small status
+        object of each shard is awaited first: a source slice that died, or a
+        source buffer whose program failed, raises here (``SliceLost``,
+        ``RemoteError``) and nothing reaches the destination.
         """
-        import ray
-
-        src_workers = self._place(src).workers
+        sp = self._place(src)
         self._place(dst)
-        src_index = shard_slices(shape, src_mesh, src_spec)
-        firsts = sorted(set(unique_shards(src_index)))
-        sent = self._sent(src)
-        src_refs = {r: src_workers[r].handle.shard.remote(src_id, sent[r]) for r in firsts}
-        if via_controller:
-            values = ray.get([src_refs[r] for r in firsts], timeout=600)
-            src_refs = {r: ray.put(v) for r, v in zip(firsts, values, strict=True)}
-            del values
-        else:
-            # Wait until the shards exist, without pulling them here (fetch_local=False):
-            # destination chips that ask for a ref not yet created wait much longer for
-            # its location than for the bytes themselves.
-            pending = list(src_refs.values())
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=600,
-                                fetch_local=False)
-            if len(ready) < len(pending):
-                raise TimeoutError(f"source shards of buffer {src_id} on {src} were not ready "
-                                   f"within 600 s")
-        pieces = []
-        for index in shard_slices(shape, dst_mesh, dst_spec):
-            mine = [(src_refs[r], src_index[r]) for r in firsts
-                    if all(a.start < b.stop and b.start < a.stop
-                           for a, b in zip(index, src_index[r], strict=True))]
-            pieces.append(mine)
-        self.submit(dst, [("put", dst_id, tuple(shape), dtype, dst_spec, dst_mesh, pieces)])
+        src_index, sources, needs = transfer_plan(put.shape, src_mesh, src_spec, put.mesh,
+                                                  put.spec)
+        workers, sent = sp.workers, self._sent(sp)
+        refs = {r: workers[r].handle.checked_shard.remote(src_id, sent[r]) for r in sources}
+        boundary.get([refs[r][0] for r in sources], timeout="fetch",
+                     what=f"the shards of buffer {src_id} on {src}",
+                     died=lambda e: self.report_lost(src, boundary.death_summary(e)))
+        pieces = [[(refs[r][1], src_index[r]) for r in rs] for rs in needs]
+        self.submit(dst, [replace(put, pieces=pieces)], source=src)
 
-    def repeat(self, slice_name: str, fingerprint: str, buffer_id: int, k: int) -> list:
-        """Every worker runs the program k times itself (multi-controller baseline)."""
-        workers, sent = self._place(slice_name).workers, self._sent(slice_name)
-        return [w.handle.repeat.remote(fingerprint, buffer_id, k, n)
-                for w, n in zip(workers, sent, strict=True)]
+    # ---- failures ---------------------------------------------------------------
+    def report_lost(self, where: str, reason: str) -> SliceLost:
+        """The client saw a chip worker of ``where`` die: mark the slice(s) of that
+        placement whose workers are not all healthy lost. Returns the error to raise."""
+        p = self._place(where)
+        members = list(p.slices)
+        sick = [s for s in members if any(h != "ok" for _, h in ping_all(s.workers, 2.0))]
+        errors = [self._lose(s.name, reason) for s in (sick or members)]
+        return errors[0]
 
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
-    def stats(self) -> dict:
+    def _lose(self, name: str, reason: str) -> SliceLost:
+        """Mark slice ``name`` lost (once), say which hosts, and release what is left."""
+        if name in self.lost:
+            return self.lost[name]
         import ray
 
+        s = self.slices.pop(name)
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        health = dict((w.rank, h) for w, h in ping_all(s.workers, 2.0))
+        hosts = tuple(sorted({f"{name}/{w.info.worker_id}" for w in s.workers
+                              if w.info.node_id not in alive or health[w.rank] != "ok"}))
+        err = self.lost[name] = SliceLost(name, hosts, reason)
+        logger.warning("%s", err)
+        for ch in self._channels.pop(name, []):
+            ch.close()
+        s.shutdown(lost=True)
+        if self.multislice:  # one JAX world: the other slices cannot run a collective now
+            for other in list(self.slices):
+                self._lose(other, f"it shared one JAX world with slice {name}, which was lost")
+        return err
+
+    # ---- bookkeeping ------------------------------------------------------------
+    def stats(self) -> dict:
         out = {}
         for name, p in self.placements.items():
-            workers = ray.get([w.handle.stats.remote() for w in p.workers], timeout=60)
+            if any(s.name in self.lost for s in p.slices):
+                continue
+            workers = boundary.get([w.handle.stats.remote() for w in p.workers],
+                                   timeout="control", what=f"stats of {name}",
+                                   died=lambda e, name=name: self.report_lost(
+                                       name, boundary.death_summary(e)))
             out[name] = {"live_arrays": len(self.arrays[name]), "programs_loaded":
                          len(self.loaded[name]), "loads_sent": self.loads_sent[name],
                          "workers": workers}
         return out
 
     def drain(self) -> None:
-        """Wait until every forwarded batch has run (each wait bounded by the channel's
+        """Wait until every forwarded batch has run (each wait bounded by the stream
         timeout)."""
-        for channels in self._channels.values():
-            for ch in channels:
-                ch.wait_acked(ch.sent)
+        for name in list(self._channels):
+            try:
+                for ch in self._channels.get(name, []):
+                    ch.wait_acked(ch.sent)
+            except WorkerDied as e:
+                raise self._lose(name, str(e)) from None
 
     def shutdown(self) -> None:
-        import ray
-
         for channels in self._channels.values():
             for ch in channels:
                 ch.close()
         self._channels.clear()
         if getattr(self, "multislice", False) and self.slices:
             # One world: every member leaves it together, or the others wait for it.
-            refs = [w.handle.shutdown_world.remote() for s in self.slices.values()
-                    for w in s.workers]
-            ray.wait(refs, num_returns=len(refs), timeout=30)
+            boundary.settle([w.handle.shutdown_world.remote() for s in self.slices.values()
+                             for w in s.workers], "shutdown")
         for s in self.slices.values():
             s.shutdown()
         self.slices.clear()
 
     def _place(self, name: str) -> Placement:
         try:
-            return self.placements[name]
+            p = self.placements[name]
         except KeyError:
             raise ValueError(f"slice={name!r} is not held by this controller; it holds "
                              f"{sorted(self.placements)}") from None
+        if self.lost:
+            for s in p.slices:
+                if s.name in self.lost:
+                    raise self.lost[s.name]
+        return p

@@ -1,27 +1,16 @@
-"""What a chip worker does with the commands the controller sends it.
+"""What a chip worker does with the commands the controller sends it (``commands.py``).
 
-Every worker of a slice receives the same commands in the same order and runs
-them one after another, so every chip issues the same collectives in the same
-sequence. Commands are plain tuples:
+Commands run one after another, in stream order. An exception inside a
+command does not stop the worker: the command's outputs are marked failed,
+later commands that read them fail the same way, and the error surfaces when
+the client fetches. A failure of the user's program becomes ``RemoteError``
+(with the remote traceback); a platform failure met while running a command
+(the source slice of a put died) keeps its own type, e.g. ``SliceLost``.
 
-    ("load", fingerprint, blob)                    deserialize + jit once, cached
-    ("put", id, shape, dtype, spec, mesh, start)   this chip's shard, from its pieces
-    ("run", fingerprint, in_ids, out_ids)          run a program on global arrays
-    ("reshard", src_id, dst_id, spec, mesh, start) same chips, another sharding
-    ("free", ids)                                   drop buffers
-
-An exception inside a command does not stop the worker: the command's
-outputs are marked failed with the remote traceback, later commands that use
-them fail the same way, and the error surfaces when the client fetches.
-
-``start`` is the first device of the mesh in the JAX world: 0 for a slice
-that is a world of its own; a slice's offset, or a multislice mesh's first
-slice's, when several slices share one world. ``rank`` is the chip's place
-in that world.
-
-The pieces of a ``put`` (object refs of the source arrays) do not travel in
-the command: the worker hands them over through ``pieces(buffer_id)``, which
-waits for them to arrive and returns ``(index, array)`` pairs.
+``rank`` is the chip's place in its JAX world. The pieces of a ``Put`` (object
+refs of the source arrays) do not travel in the command: the worker hands them
+over through ``pieces(buffer_id)``, which waits for them to arrive and returns
+``(index, array)`` pairs.
 """
 
 from __future__ import annotations
@@ -32,17 +21,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathways_ray.commands import Command, Free, Load, Put, Reshard, Run
+from pathways_ray.errors import PathwaysError, RemoteError
 from pathways_ray.sharding import MeshShape, Spec, shard_slices
 
-__all__ = ["Executor", "Failed", "assemble"]
+__all__ = ["Executor", "Failed", "RemoteError", "assemble"]
 
 
 @dataclass(frozen=True)
 class Failed:
-    """A buffer whose producing command raised."""
+    """A buffer whose producing command raised: the user's program (``error`` None,
+    reported as ``RemoteError``), or the platform (``error`` is that failure)."""
 
     command: str
     traceback: str
+    error: PathwaysError | None = None
+
+    def exception(self) -> Exception:
+        return self.error if self.error is not None else RemoteError(self.command,
+                                                                     self.traceback)
 
 
 def assemble(index: tuple[slice, ...], dtype: str,
@@ -134,96 +131,87 @@ class Executor:
         except KeyError as e:
             raise RemoteError(f"reading buffer {buffer_id}", str(e)) from None
         if isinstance(value, Failed):
-            raise RemoteError(value.command, value.traceback)
+            raise value.exception()
         return value
 
     # ---- commands --------------------------------------------------------------
-    def run(self, commands: list[tuple]) -> None:
+    def run(self, commands: list[Command]) -> None:
         self.batches_run += 1
         for cmd in commands:
-            op = cmd[0]
             try:
-                getattr(self, "_" + op)(*cmd[1:])
+                match cmd:
+                    case Run():
+                        self._run(cmd)
+                    case Put():
+                        self._put(cmd)
+                    case Reshard():
+                        self._reshard(cmd)
+                    case Free():
+                        for i in cmd.buffers:
+                            self.buffers.pop(i, None)
+                    case Load():
+                        self._load(cmd)
+                    case _:
+                        raise TypeError(f"unknown command {cmd!r}")
+            except PathwaysError as e:  # the platform failed under the command
+                self._fail(cmd, Failed(_name(cmd), traceback.format_exc(), e))
             except Exception:  # noqa: BLE001 - recorded on the outputs, worker lives on
-                self._fail(cmd, traceback.format_exc())
+                self._fail(cmd, Failed(_name(cmd), traceback.format_exc()))
             self.commands_run += 1
 
-    def repeat(self, fingerprint: str, buffer_id: int, k: int) -> float:
-        """Multi-controller mode: run ``z = program(z)`` k times from this process alone
-        (every worker of the slice does the same), return the seconds it took."""
-        import time
-
-        prog = self.programs[fingerprint]
-        z = self._ok(buffer_id)
-        t0 = time.perf_counter()
-        for _ in range(k):
-            z = prog(z)
-        z.block_until_ready()
-        return time.perf_counter() - t0
-
-    def _fail(self, cmd: tuple, tb: str) -> None:
-        op = cmd[0]
-        failed = Failed(f"{op} {cmd[1] if op == 'run' else ''}".strip(), tb)
-        outs = {"run": lambda: cmd[3], "put": lambda: [cmd[1]],
-                "reshard": lambda: [cmd[2]]}.get(op, lambda: [])()
-        for out_id in outs:
+    def _fail(self, cmd: Command, failed: Failed) -> None:
+        for out_id in cmd.writes:
             self.buffers[out_id] = failed
 
-    def _load(self, fingerprint: str, blob: bytes) -> None:
-        if fingerprint in self.programs:
+    def _load(self, cmd: Load) -> None:
+        if cmd.fingerprint in self.programs:
             return
         import jax
         from jax import export
 
-        exp = export.deserialize(bytearray(blob))
-        self.programs[fingerprint] = jax.jit(exp.call)
+        exp = export.deserialize(bytearray(cmd.blob))
+        self.programs[cmd.fingerprint] = jax.jit(exp.call)
 
-    def _put(self, buffer_id: int, shape, dtype, spec, mesh: MeshShape, start: int = 0) -> None:
+    def _put(self, cmd: Put) -> None:
         import jax
 
-        sharding = self.sharding(mesh, spec, start)
-        index = shard_slices(shape, mesh, spec)[self.rank - start]
-        local = assemble(index, dtype, self._pieces(buffer_id))
+        sharding = self.sharding(cmd.mesh, cmd.spec, cmd.start)
+        index = shard_slices(cmd.shape, cmd.mesh, cmd.spec)[self.rank - cmd.start]
+        local = assemble(index, cmd.dtype, self._pieces(cmd.buffer))
         device = jax.local_devices()[0]
-        self.buffers[buffer_id] = jax.make_array_from_single_device_arrays(
-            tuple(shape), sharding, [jax.device_put(local, device)])
+        self.buffers[cmd.buffer] = jax.make_array_from_single_device_arrays(
+            tuple(cmd.shape), sharding, [jax.device_put(local, device)])
 
-    def _run(self, fingerprint: str, in_ids: list[int], out_ids: list[int]) -> None:
-        args = [self.get(i) for i in in_ids]
+    def _run(self, cmd: Run) -> None:
+        args = [self.get(i) for i in cmd.inputs]
         for a in args:
             if isinstance(a, Failed):
-                for out_id in out_ids:
+                for out_id in cmd.outputs:
                     self.buffers[out_id] = a
                 return
-        if fingerprint not in self.programs:
-            raise KeyError(f"program {fingerprint} was never loaded on this chip")
-        outs = self.programs[fingerprint](*args)
+        program = self.programs.get(cmd.fingerprint)
+        if program is None:
+            raise KeyError(f"program {cmd.fingerprint} was never loaded on this chip")
         import jax
 
-        for out_id, value in zip(out_ids, jax.tree.leaves(outs), strict=True):
+        outs = jax.tree.leaves(program(*args))
+        for out_id, value in zip(cmd.outputs, outs, strict=True):
             self.buffers[out_id] = value
 
-    def _reshard(self, src_id: int, dst_id: int, spec, mesh: MeshShape, start: int = 0) -> None:
+    def _reshard(self, cmd: Reshard) -> None:
         import jax
 
-        src = self.get(src_id)
+        src = self.get(cmd.src)
         if isinstance(src, Failed):
-            self.buffers[dst_id] = src
+            self.buffers[cmd.dst] = src
             return
-        self.buffers[dst_id] = jax.device_put(src, self.sharding(mesh, spec, start))
-
-    def _free(self, ids: list[int]) -> None:
-        for i in ids:
-            self.buffers.pop(i, None)
+        self.buffers[cmd.dst] = jax.device_put(src, self.sharding(cmd.mesh, cmd.spec,
+                                                                  cmd.start))
 
 
-class RemoteError(RuntimeError):
-    """A command failed on a chip worker; carries the remote traceback."""
-
-    def __init__(self, command: str, remote_traceback: str):
-        self.command = command
-        self.remote_traceback = remote_traceback
-        super().__init__(f"{command} failed on the slice:\n{remote_traceback}")
-
-    def __reduce__(self):
-        return (RemoteError, (self.command, self.remote_traceback))
+def _name(cmd: Command) -> str:
+    match cmd:
+        case Run():
+            return f"run {cmd.fingerprint}"
+        case _:
+            return type(cmd).__name__.lower()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
-__all__ = ["MeshShape", "normalize_spec", "shard_slices", "unique_shards"]
+__all__ = ["MeshShape", "normalize_spec", "shard_slices", "transfer_plan", "unique_shards"]
 
 Spec = tuple[tuple[str, ...], ...]  # per array dim: the mesh axes it is split over
 
@@ -99,3 +99,20 @@ def unique_shards(indices: list[tuple[slice, ...]]) -> list[int]:
         key = tuple((s.start, s.stop) for s in idx)
         out.append(first.setdefault(key, rank))
     return out
+
+
+def transfer_plan(shape: Sequence[int], src_mesh: MeshShape, src_spec: Spec,
+                  dst_mesh: MeshShape, dst_spec: Spec):
+    """How to copy an array between two shardings, shard by shard.
+
+    Returns ``(src_index, sources, needs)``: every source rank's block, the source
+    ranks that hold a distinct block (one copy each is enough), and for every
+    destination rank the ones of those whose blocks overlap its own.
+    """
+    src_index = shard_slices(shape, src_mesh, src_spec)
+    sources = sorted(set(unique_shards(src_index)))
+    needs = [[r for r in sources
+              if all(a.start < b.stop and b.start < a.stop
+                     for a, b in zip(index, src_index[r], strict=True))]
+             for index in shard_slices(shape, dst_mesh, dst_spec)]
+    return src_index, sources, needs

@@ -17,38 +17,23 @@ Reservation goes through Ray's ``SlicePlacementGroup`` with one bundle per chip
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pathways_ray import boundary, registry
 from pathways_ray.chip_worker import ChipWorker
-from pathways_ray.cluster import describe_capacity, slices_from_nodes
+from pathways_ray.cluster import cluster_slices, describe_capacity
+from pathways_ray.config import NAMESPACE, TIMEOUTS
 from pathways_ray.errors import ReservationTimeout, WorkerDied
-from pathways_ray.fleet import NAMESPACE
 from pathways_ray.topology import Topology
 from pathways_ray.worker_env import ChipInfo, rank_order
 
-__all__ = ["Slice", "SliceWorker", "list_registered_slices"]
+__all__ = ["Slice", "SliceWorker", "ping_all"]
 
 logger = logging.getLogger(__name__)
-
-RESERVE_TIMEOUT_ENV = "PATHWAYS_RAY_RESERVE_TIMEOUT_S"
-_KV_PREFIX = "pathways-ray/slice/"
-
-
-def _default_reserve_timeout() -> float:
-    raw = os.environ.get(RESERVE_TIMEOUT_ENV, "60")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{RESERVE_TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{RESERVE_TIMEOUT_ENV}={raw!r} must be positive")
-    return value
 
 
 @dataclass(frozen=True)
@@ -62,10 +47,7 @@ class SliceWorker:
 
 
 def _capacity() -> str:
-    import ray
-    from ray._private.state import available_resources_per_node
-
-    return describe_capacity(slices_from_nodes(ray.nodes(), available_resources_per_node()))
+    return describe_capacity(cluster_slices())
 
 
 class Slice:
@@ -91,25 +73,29 @@ class Slice:
         *,
         chips_per_host: int | None = None,
         timeout_s: float | None = None,
-        worker_timeout_s: float = 180.0,
+        worker_timeout_s: float | None = None,
         compilation_cache_dir: str | None = None,
         join_world: bool = True,
+        worker_cls: type | None = None,
     ) -> Slice:
         """Reserve one whole slice of ``topology`` and start a worker on every chip.
 
         ``timeout_s`` bounds the reservation (default ``$PATHWAYS_RAY_RESERVE_TIMEOUT_S``
-        or 60 s); ``worker_timeout_s`` bounds starting the workers and their JAX world.
+        or 120 s); ``worker_timeout_s`` bounds starting the workers and their JAX world
+        (default ``$PATHWAYS_RAY_WORKER_START_TIMEOUT_S`` or 180 s).
         ``compilation_cache_dir`` (a path every host sees) turns on JAX's persistent
         compilation cache on every chip. ``join_world=False`` starts the workers
         without a JAX world (``reserve_joint`` then joins several slices in one).
+        ``worker_cls`` replaces ``ChipWorker`` (a subclass, e.g. ``testing.DebugChipWorker``).
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from ray.util.tpu import SlicePlacementGroup
 
         topo = Topology.of(topology, chips_per_host=chips_per_host)
+        worker_timeout_s = worker_timeout_s or TIMEOUTS["worker_start"].seconds()
         if timeout_s is None:
-            timeout_s = _default_reserve_timeout()
+            timeout_s = TIMEOUTS["reserve"].seconds()
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be positive")
         if not ray.is_initialized():
@@ -144,7 +130,7 @@ class Slice:
             raise cls._timeout(topo, timeout_s, t0)
         logger.info("reserved %s in %.1fs", topo.describe(), time.monotonic() - t0)
 
-        actor_cls = ray.remote(concurrency_groups={"control": 2})(ChipWorker)
+        actor_cls = ray.remote(concurrency_groups={"control": 2})(worker_cls or ChipWorker)
         handles, names = [], []
         try:
             for bundle in range(spg.num_bundles):
@@ -163,7 +149,7 @@ class Slice:
                 )
                 names.append(name)
             infos = _get([h.get_info.remote() for h in handles], worker_timeout_s,
-                         "starting chip workers", "worker_timeout_s")
+                         "starting chip workers")
             order = rank_order(infos)
             slice_names = {i.slice_name for i in infos}
             if len(slice_names) != 1:
@@ -181,15 +167,16 @@ class Slice:
             spg.shutdown()
             raise
         if join_world:
-            sl._register()
+            registry.register(sl)
             logger.info("slice %s ready: %d chip workers in %.1fs", sl.name, len(workers),
                         time.monotonic() - t0)
         return sl
 
     @classmethod
     def reserve_joint(cls, topologies: Sequence[Topology | str], *,
-                      timeout_s: float | None = None, worker_timeout_s: float = 180.0,
-                      compilation_cache_dir: str | None = None) -> list[Slice]:
+                      timeout_s: float | None = None, worker_timeout_s: float | None = None,
+                      compilation_cache_dir: str | None = None,
+                      worker_cls: type | None = None) -> list[Slice]:
         """Reserve several slices whose chips form one JAX world (multislice).
 
         Each slice still runs its own programs on its own devices; a program
@@ -201,14 +188,16 @@ class Slice:
         try:
             for spec in topologies:
                 slices.append(cls.reserve(spec, timeout_s=timeout_s,
-                                          worker_timeout_s=worker_timeout_s, join_world=False))
-            cls._init_world(slices, worker_timeout_s, compilation_cache_dir)
+                                          worker_timeout_s=worker_timeout_s, join_world=False,
+                                          worker_cls=worker_cls))
+            cls._init_world(slices, worker_timeout_s or TIMEOUTS["worker_start"].seconds(),
+                            compilation_cache_dir)
         except BaseException:
             for sl in slices:
                 sl.shutdown()
             raise
         for sl in slices:
-            sl._register()
+            registry.register(sl)
         return slices
 
     @staticmethod
@@ -217,7 +206,7 @@ class Slice:
             f"could not reserve a {topo.describe()} slice within timeout_s={timeout_s:g} "
             f"(waited {time.monotonic() - t0:.1f}s). The cluster has:\n{_capacity()}\n"
             f"Release a slice, add hosts of pod type {topo.pod_type}, or wait longer with "
-            f"timeout_s= (or ${RESERVE_TIMEOUT_ENV})."
+            f"timeout_s= (or ${TIMEOUTS['reserve'].env})."
         )
 
     @staticmethod
@@ -226,7 +215,7 @@ class Slice:
         """One JAX world over the chips of ``slices``, slice after slice in rank order."""
         workers = [w for sl in slices for w in sl.workers]
         ports = _get([w.handle.reserve_port.remote() for w in workers], timeout_s,
-                     "reserving ports", "worker_timeout_s")
+                     "reserving ports")
         addresses = [f"{w.info.ip}:{p}" for w, p in zip(workers, ports, strict=True)]
         coordinator = addresses[0]
         refs, offset = [], 0
@@ -247,7 +236,7 @@ class Slice:
                 ))
             sl.world_offset = offset
             offset += n
-        world = _get(refs, timeout_s + 30, "initializing the JAX world", "worker_timeout_s")
+        world = _get(refs, timeout_s + 30, "initializing the JAX world")
         for info in world:
             if info["device_count"] != len(workers):
                 raise RuntimeError(
@@ -272,60 +261,39 @@ class Slice:
 
     def health(self, timeout_s: float = 5.0) -> list[tuple[SliceWorker, str]]:
         """Each worker with ``"ok"``, ``"dead"`` or ``"unresponsive"``."""
-        return _ping_all([(w, w.handle) for w in self.workers], timeout_s)
+        return ping_all(self.workers, timeout_s)
 
     def _call_all(self, method: str, args: list[tuple], timeout_s: float) -> list:
         refs = [getattr(w.handle, method).remote(*a) for w, a in zip(self.workers, args,
                                                                       strict=True)]
-        return _get(refs, timeout_s, f"{method} on slice {self.name}", "timeout_s",
-                    workers=self.workers)
+        return _get(refs, timeout_s, f"{method} on slice {self.name}", workers=self.workers)
 
-    # ---- registry (for `pathways-ray status` in other processes) ------------------
-    def _register(self) -> None:
-        from ray.experimental import internal_kv
-
-        record = {
-            "name": self.name,
-            "topology": str(self.topology),
-            "chips_per_host": self.topology.chips_per_host,
-            "owner_pid": os.getpid(),
-            "created": time.time(),
-            "workers": [
-                {"rank": w.rank, "worker_id": w.info.worker_id, "chip": w.info.chip,
-                 "node_id": w.info.node_id, "actor": w.actor_name}
-                for w in self.workers
-            ],
-        }
-        internal_kv._internal_kv_put(_KV_PREFIX + self.name, json.dumps(record),
-                                     overwrite=True, namespace=NAMESPACE)
-
-    def shutdown(self) -> None:
-        """Stop the workers and release the slice."""
+    def shutdown(self, lost: bool = False) -> None:
+        """Stop the workers and release the slice. ``lost=True``: the slice's JAX world
+        is broken (a worker or host died), so the survivors are killed without leaving
+        it (``jax.distributed.shutdown`` would abort them, or wait for the dead)."""
         if self._closed:
             return
         self._closed = True
         import ray
-        from ray.experimental import internal_kv
 
         if not ray.is_initialized():
             return
-        # Leave the JAX world together first: killing the coordinator's rank while the
-        # others still poll it makes them abort with fatal-error logs.
-        refs = [w.handle.shutdown_world.remote() for w in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
-        if len(ready) < len(refs):
-            logger.info("slice %s: %d chip workers did not leave the JAX world in 10 s",
-                        self.name, len(refs) - len(ready))
+        if not lost:
+            # Leave the JAX world together first: killing the coordinator's rank while the
+            # others still poll it makes them abort with fatal-error logs.
+            late = boundary.settle([w.handle.shutdown_world.remote() for w in self.workers],
+                                   "shutdown")
+            if late:
+                logger.info("slice %s: %d chip workers did not leave the JAX world in time",
+                            self.name, late)
         for w in self.workers:
             try:
                 ray.kill(w.handle)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._spg.shutdown()
-        try:
-            internal_kv._internal_kv_del(_KV_PREFIX + self.name, namespace=NAMESPACE)
-        except Exception:  # noqa: BLE001
-            logger.debug("could not remove registry entry of %s", self.name, exc_info=True)
+        registry.unregister(self.name)
 
     def __enter__(self) -> Slice:
         return self
@@ -337,69 +305,21 @@ class Slice:
         return f"Slice({self.name!r}, {self.topology.describe()})"
 
 
-def _get(refs, timeout_s: float, what: str, setting: str, workers=None):
-    """``ray.get`` with a deadline; dead actors become ``WorkerDied``."""
-    import ray
+def _get(refs, timeout_s: float, what: str, workers=None):
+    """Wait for chip workers within ``timeout_s`` (the caller's argument of that name);
+    a dead one becomes ``WorkerDied`` naming the ranks and hosts found dead."""
 
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError as e:
-        raise TimeoutError(f"{what} did not finish within {setting}={timeout_s:g}s") from e
-    except ray.exceptions.RayActorError as e:
+    def died(e: BaseException) -> WorkerDied:
         where = ""
         if workers:
-            dead = [w for w, s in _ping_all([(w, w.handle) for w in workers], 2.0) if s != "ok"]
-            where = " (" + ", ".join(
-                f"rank {w.rank} on TPU worker {w.info.worker_id} chip {w.info.chip}" for w in dead
-            ) + ")"
-        raise WorkerDied(f"a chip worker died while {what}{where}: {e}") from e
+            dead = [w for w, h in ping_all(workers, 2.0) if h != "ok"]
+            where = " (" + ", ".join(f"rank {w.rank} on TPU worker {w.info.worker_id} chip "
+                                     f"{w.info.chip}" for w in dead) + ")"
+        return WorkerDied(f"a chip worker died while {what}{where}: {e}")
+
+    return boundary.get(refs, timeout=timeout_s, what=what, died=died)
 
 
-def _ping_all(pairs, timeout_s: float) -> list[tuple[object, str]]:
-    import ray
-
-    refs = [h.ping.remote() for _, h in pairs]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    ready_set = set(ready)
-    out = []
-    for (item, _), ref in zip(pairs, refs, strict=True):
-        if ref not in ready_set:
-            out.append((item, "unresponsive"))
-            continue
-        try:
-            ray.get(ref, timeout=0)
-            out.append((item, "ok"))
-        except ray.exceptions.RayError:
-            out.append((item, "dead"))
-    return out
-
-
-def list_registered_slices() -> list[dict]:
-    """Slices reserved by any process of this cluster, with their workers' health."""
-    import ray
-    from ray.experimental import internal_kv
-
-    records = []
-    for key in internal_kv._internal_kv_list(_KV_PREFIX, namespace=NAMESPACE):
-        raw = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
-        if raw:
-            records.append(json.loads(raw))
-    pairs = []
-    for rec in records:
-        for w in rec["workers"]:
-            try:
-                handle = ray.get_actor(w["actor"], namespace=NAMESPACE)
-            except ValueError:
-                w["health"] = "gone"
-                continue
-            pairs.append((w, handle))
-    for w, state in _ping_all(pairs, 3.0):
-        w["health"] = state
-    live = []
-    for rec in records:
-        if all(w["health"] in ("gone", "dead") for w in rec["workers"]):
-            # Its owner exited without shutdown() (killed): the actors died with it.
-            internal_kv._internal_kv_del(_KV_PREFIX + rec["name"], namespace=NAMESPACE)
-        else:
-            live.append(rec)
-    return sorted(live, key=lambda r: r["name"])
+def ping_all(workers: Sequence[SliceWorker], timeout_s: float) -> list[tuple[SliceWorker, str]]:
+    """Each worker with ``"ok"``, ``"dead"`` or ``"unresponsive"``."""
+    return boundary.health([(w, w.handle) for w in workers], timeout_s)

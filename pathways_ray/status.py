@@ -63,11 +63,7 @@ def render_status(slices: Sequence[SliceView], registered: Sequence[dict] = ()) 
 
 def collect_status() -> tuple[list[SliceView], list[dict]]:
     """Slices and reserved-slice records of the cluster this process is connected to."""
-    import ray
-    from ray._private.state import available_resources_per_node
+    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.registry import list_registered_slices
 
-    from pathways_ray.cluster import slices_from_nodes
-    from pathways_ray.slice import list_registered_slices
-
-    slices = slices_from_nodes(ray.nodes(), available_resources_per_node())
-    return slices, list_registered_slices()
+    return cluster_slices(), list_registered_slices()

@@ -14,8 +14,8 @@ from typing import Any
 
 import ray
 
+from pathways_ray.config import base_dir
 from pathways_ray.errors import PathwaysError
-from pathways_ray.fleet import base_dir
 from pathways_ray.serve.plan import accelerator_type, llm_config_dict
 
 __all__ = [
@@ -73,7 +73,7 @@ def tpu_engine_env() -> dict[str, str]:
     """Env for vLLM on TPU chips: its XLA compilation cache in the fleet's persistent
     compilation cache (``$PATHWAYS_RAY_COMPILATION_CACHE_DIR``, shared storage on a
     real cluster), so a replica that restarts or scales out skips recompiling."""
-    from pathways_ray.client import default_compilation_cache_dir
+    from pathways_ray.config import default_compilation_cache_dir
 
     return {"VLLM_XLA_CACHE_PATH": default_compilation_cache_dir().rstrip("/") + "/vllm"}
 

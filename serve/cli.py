@@ -64,7 +64,7 @@ def register(sub) -> dict:
 
 
 def cmd_serve(args) -> int:
-    from pathways_ray.fleet import cluster_or_local
+    from pathways_ray.local_fleet import cluster_or_local
     from pathways_ray.serve.app import (
         _serve_llm_module,
         detect_platform,

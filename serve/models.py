@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from pathways_ray.fleet import base_dir
+from pathways_ray.config import base_dir
 
 __all__ = ["BUNDLED_MODELS", "resolve_model", "smollm2_checkpoint"]
 

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
 from pathways_ray.client import RemoteArray, connect, reshard
-from pathways_ray.executor import RemoteError
+from pathways_ray.errors import RemoteError
+from pathways_ray.testing import DebugController
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def client():
     with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tctl"):
-        c = connect()
+        c = connect(controller_cls=DebugController)  # adds pid()
         try:
             yield c
         finally:
@@ -284,8 +285,8 @@ def test_lm_parity_with_single_process_run(client):
     """The demo's transformer LM, 20 steps data parallel across both slices (data x model
     within each) through the controller, matches one process on 8 fake CPU devices with
     the same global batches: loss per step within 1e-5 relative."""
-    from pathways_ray.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
-    from pathways_ray.multislice import DataParallelTrainer
+    from pathways_ray.data_parallel import DataParallelTrainer
+    from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
 
     cfg = LMConfig(lr=0.2)
     text = MarkovText(cfg.vocab)
@@ -324,7 +325,7 @@ def test_persistent_compilation_cache(client):
     Runs last: it closes the module's client."""
     import os
 
-    from pathways_ray.client import default_compilation_cache_dir
+    from pathways_ray.config import default_compilation_cache_dir
 
     cache = default_compilation_cache_dir()
 

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from pathways_ray import LocalFleet, ReservationTimeout, Slice, WorkerDied, _procs
-from pathways_ray.slice import list_registered_slices
+from pathways_ray.registry import list_registered_slices
 
 pytestmark = pytest.mark.slow
 
@@ -141,11 +141,9 @@ def test_reservation_that_cannot_fit_times_out_clearly(slices):
 
 
 def ray_slices():
-    from ray._private.state import available_resources_per_node
+    from pathways_ray.cluster import cluster_slices
 
-    from pathways_ray.cluster import slices_from_nodes
-
-    return slices_from_nodes(ray.nodes(), available_resources_per_node())
+    return cluster_slices()
 
 
 def test_removing_a_host_kills_exactly_its_workers(fleet, slices):

@@ -87,25 +87,79 @@ def test_context_exit_leaves_no_process_behind():
     assert not fleet.dir.exists()
 
 
+def _default_signals() -> None:
+    # A background job of a non-interactive shell (how CI may start pytest) ignores
+    # SIGINT, and a child inherits that: Python would then never raise
+    # KeyboardInterrupt. Give the child the default handlers, as a terminal would.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _stop_if_left(name: str) -> None:
+    """Stop fleet ``name`` if a failed test left it running, before pytest removes the
+    directory its state file lives in."""
+    from pathways_ray.local_fleet import running_fleets, stop_local_fleet
+
+    if any(f.name == name for f in running_fleets()):
+        stop_local_fleet(name)
+
+
+def _interrupt_while(args: list[str], name: str, sig: int, ready: str, timeout_s: float):
+    """Start the CLI, wait until ``ready`` shows in its output (or its head node runs,
+    for ``ready=""``), send ``sig``; returns (returncode, stdout, stderr)."""
+    before = ray_processes()
+    proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "COLUMNS": "160"},
+                            preexec_fn=_default_signals)
+    try:
+        head_log = Path(os.environ["PATHWAYS_RAY_DIR"]) / name / "head" / "ray-start.log"
+        seen = []
+        deadline = time.monotonic() + timeout_s
+        if ready:
+            os.set_blocking(proc.stdout.fileno(), False)
+        while time.monotonic() < deadline:
+            if ready:
+                seen.append(proc.stdout.read() or "")
+                if ready in "".join(seen):
+                    break
+            elif head_log.exists() and "Ray runtime started" in head_log.read_text(
+                    errors="replace"):
+                break
+            assert proc.poll() is None, "".join(seen)
+            time.sleep(0.2)
+        assert ray_processes() - before - {proc.pid}, "the fleet should be starting by now"
+        proc.send_signal(sig)
+        if ready:
+            os.set_blocking(proc.stdout.fileno(), True)
+        out, _ = proc.communicate(timeout=120)
+        return proc.returncode, "".join(seen) + out, leftovers(before | {proc.pid})
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _stop_if_left(name)
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_starting_stops_everything():
-    """SIGINT to `pathways-ray up` mid-start stops what it had started."""
-    env = {**os.environ}
-    before = ray_processes()
-    proc = subprocess.Popen(CLI + ["up", "--slices", "1", "--name", "tint"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    head_log = Path(os.environ["PATHWAYS_RAY_DIR"]) / "tint" / "head" / "ray-start.log"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (
-        head_log.exists() and "Ray runtime started" in head_log.read_text(errors="replace")
-    ):
-        time.sleep(0.2)
-    assert ray_processes() - before - {proc.pid}, "the head should be running by now"
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, (out, err)
-    assert "interrupted" in err
-    assert leftovers(before | {proc.pid}) == []
+    """SIGINT to `pathways-ray up` mid-start stops what it had started, also when the
+    test runner itself was started with SIGINT ignored."""
+    code, out, left = _interrupt_while(["up", "--slices", "1", "--name", "tint"], "tint",
+                                       signal.SIGINT, ready="", timeout_s=120)
+    assert code == 130, out
+    assert "interrupted" in out
+    assert left == []
+
+
+@pytest.mark.slow
+def test_sigterm_mid_training_stops_everything():
+    """SIGTERM (what Kubernetes, Docker and systemd send) to `pathways-ray demo` while it
+    trains unwinds as Ctrl-C does: exit 130, every process of its fleet stopped."""
+    code, out, left = _interrupt_while(["demo", "--steps", "400", "--batch", "16"], "demo",
+                                       signal.SIGTERM, ready="controller holds",
+                                       timeout_s=240)
+    assert code == 130, out
+    assert "interrupted" in out
+    assert left == []
 
 
 @pytest.mark.parametrize(

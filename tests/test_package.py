@@ -19,12 +19,71 @@ def test_import_is_light_and_core_never_imports_the_optional_parts():
 
 
 def test_public_names():
-    """The public API is re-exported from the package."""
+    """The names a user needs are re-exported from the package (loaded on first use);
+    names of earlier releases still resolve; a typo says what is missing."""
+    import pytest
+
     import pathways_ray as pr
 
-    for name in ("Topology", "LocalFleet", "Fleet", "Slice", "connect", "reshard",
-                 "RemoteArray", "Controller", "RemoteError", "ReservationTimeout"):
+    for name in ("Topology", "LocalFleet", "Fleet", "Slice", "connect", "reshard", "Client",
+                 "RemoteArray", "RemoteError", "ReservationTimeout", "SliceLost",
+                 "ControllerDied", "WorkerDied", "WaitTimeout", "PathwaysError"):
         assert name in pr.__all__ and hasattr(pr, name), name
+    assert len(pr.__all__) <= 20
+    from pathways_ray.controller import Controller
+
+    assert pr.Controller is Controller and "Controller" not in pr.__all__
+    with pytest.raises(AttributeError, match="no attribute 'conect'"):
+        pr.conect  # noqa: B018
+
+
+# Makes `import ray` (and its submodules) fail, as on a machine without Ray.
+_NO_RAY = ("import sys, importlib.abc\n"
+           "class NoRay(importlib.abc.MetaPathFinder):\n"
+           "    def find_spec(self, name, path=None, target=None):\n"
+           "        if name == 'ray' or name.startswith('ray.'):\n"
+           "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+           "sys.meta_path.insert(0, NoRay())\n")
+
+
+def test_pure_modules_import_without_ray():
+    """With Ray unimportable, the package, its pure modules and KubeRay rendering still
+    import and work; connecting fails with Ray's own ImportError."""
+    code = _NO_RAY + (
+        "import pathways_ray, pathways_ray.topology, pathways_ray.errors, pathways_ray.config\n"
+        "import pathways_ray.cluster, pathways_ray.sharding, pathways_ray.commands\n"
+        "import pathways_ray.program, pathways_ray.worker_env\n"
+        "from pathways_ray.kuberay import manifests\n"
+        "print(pathways_ray.Topology.of('v6e-4x4').pod_type, 'ray' in sys.modules)\n"
+        "try:\n"
+        "    pathways_ray.connect()\n"
+        "except ImportError as e:\n"
+        "    print('connect:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["v6e-16 False", "connect: No module named 'ray'"], out
+
+
+def test_the_runtime_never_imports_the_emulator():
+    """Only the CLI, the demo and the local-fleet modules import ``local_fleet``: the
+    runtime (client, controller, slices, serving, trainers) runs the same on TPUs."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    allowed = {"pathways_ray/cli.py", "pathways_ray/demo/run.py", "pathways_ray/__init__.py",
+               "pathways_ray/local_fleet.py", "serve/cli.py", "trainers/cli.py"}
+    offenders = []
+    for folder in ("pathways_ray", "serve", "trainers", "kuberay"):
+        for path in (root / folder).rglob("*.py"):
+            rel = str(path.relative_to(root))
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any("local_fleet" in n for n in names) and rel not in allowed:
+                    offenders.append(rel)
+    assert offenders == []
 
 
 def test_trainers_import_torch_only_when_asked():

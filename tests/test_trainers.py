@@ -300,7 +300,7 @@ def test_fsdp2_example_under_ray_job_submit_checkpoints(fleet, tmp_path):
     assert (path / ".metadata").exists()
     assert len(list(path.glob("__*_0.distcp"))) == 8  # one shard file per chip
     ex = load_example("train_torch_fsdp2")
-    from pathways_ray.lm import MarkovText
+    from pathways_ray.demo.lm import MarkovText
     from pathways_ray.trainers.torch_lm import TinyLM, global_batch, lm_loss
 
     batch = global_batch(MarkovText(64), seed=1, step=0, batch=64, seq=32)

@@ -154,11 +154,9 @@ def rank_tpu_workers(workers: list, starting_world_rank: int = 0,
 
 def usable_slices(plan: TpuPlan) -> list[str]:
     """Slices of ``plan``'s shape this run could use now: idle ones and its own."""
-    from ray._private.state import available_resources_per_node
+    from pathways_ray.cluster import cluster_slices
 
-    from pathways_ray.cluster import slices_from_nodes
-
-    views = slices_from_nodes(ray.nodes(), available_resources_per_node())
+    views = cluster_slices()
     return sorted(v.name for v in views
                   if v.intact and v.topology == plan.topology
                   and (v.idle or v.name in _held_slices))

@@ -1,4 +1,4 @@
-"""A small causal transformer LM in PyTorch, on the same synthetic text as ``pathways_ray.lm``.
+"""A small causal transformer LM in PyTorch, on the same synthetic text as ``pathways_ray.demo.lm``.
 
 Shared by the PyTorch examples, their tests and ``benchmarks/trainer_overhead.py``.
 Batches are a pure function of (seed, step), so any number of workers can cut
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pathways_ray.lm import MarkovText
+from pathways_ray.demo.lm import MarkovText
 
 __all__ = ["TinyLM", "global_batch", "lm_loss", "shard_rows", "train_step"]
 

@@ -6,6 +6,11 @@ into one vector inside that program, so exchanging them is one array per
 slice pair, moved worker to worker through Ray's object store (DCN in Pathways
 terms); each slice then averages and applies the update (a second program).
 Slices hold identical parameter replicas throughout.
+
+Each slice here is a JAX world of its own (plain ``connect()``), so losing one
+slice leaves the others whole. ``connect(multislice=True)`` is the other model:
+one world over every slice's chips, one SPMD program across them, one failure
+domain.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The main job: train a small transformer LM on a local emulated fleet, single controller.
 
 Starts a fleet of emulated v6e slices, connects a client (the controller
-reserves every slice), and trains ``pathways_ray.lm`` on synthetic text: data
+reserves every slice), and trains ``pathways_ray.demo.lm`` on synthetic text: data
 parallel across slices, data x model parallel within each slice. Shows a
 progress bar (step, loss, tokens/s), writes a loss-curve PNG, prints the fleet
 status and a summary, and stops every process it started.
@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pathways_ray._ui import fleet_progress
-from pathways_ray.fleet import LocalFleet
+from pathways_ray.local_fleet import LocalFleet
 from pathways_ray.status import collect_status, render_status
 from pathways_ray.topology import Topology
 
@@ -46,8 +46,8 @@ def run_demo(
     console: Console | None = None,
 ) -> DemoResult:
     from pathways_ray.client import connect
-    from pathways_ray.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
-    from pathways_ray.multislice import DataParallelTrainer
+    from pathways_ray.data_parallel import DataParallelTrainer
+    from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
 
     console = console or Console()
     topo = Topology.parse(accelerator, topology, chips_per_host=chips_per_host)
@@ -65,8 +65,11 @@ def run_demo(
                   f"{cfg.layers}-layer transformer LM, mesh data={mesh_shape[0]} x "
                   f"model={mesh_shape[1]} per slice, data parallel across slices")
     t0 = time.monotonic()
+    # The chip workers' own output (gloo's connection lines, XLA's warnings) stays in
+    # the fleet's log files: errors reach this process as exceptions.
     fleet = LocalFleet(num_slices=num_slices, accelerator=topo.generation.name,
-                       topology=topo.name, chips_per_host=topo.chips_per_host, name="demo")
+                       topology=topo.name, chips_per_host=topo.chips_per_host, name="demo",
+                       log_to_driver=False)
     try:
         with fleet_progress(console) as update:
             fleet.start(progress=update)

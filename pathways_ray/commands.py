@@ -1,0 +1,140 @@
+"""The commands a chip worker runs, as frozen values. Pure (no Ray, no JAX).
+
+The client builds them, the controller places them (``placed``) and forwards
+them over each worker's command stream, the executor dispatches on their type.
+Each knows the buffers it reads (``reads``) and writes (``writes``), so a
+failed command marks exactly its outputs and the controller can keep its
+registry of live buffers without knowing what any command means.
+
+Every worker of a placement receives the same commands in the same order, so
+every chip issues the same collectives in the same sequence.
+
+``start`` is the first device of the command's mesh in the JAX world: 0 for a
+slice that is a world of its own; a slice's offset, or a multislice group's
+first slice's, when several slices share one world. The client leaves it 0;
+the controller, which knows the world, sets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pathways_ray.sharding import MeshShape, Spec
+
+__all__ = ["Command", "Free", "Load", "Put", "Reshard", "Run", "placed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Deserialize an exported program and jit it once; later loads are no-ops."""
+
+    fingerprint: str
+    blob: bytes
+
+    reads = writes = ()
+
+    def __reduce__(self):  # pickle as (class, fields): half the bytes and time of state dicts
+        return (Load, (self.fingerprint, self.blob))
+
+    def __repr__(self) -> str:
+        return f"Load({self.fingerprint[:12]})"
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Assemble this chip's shard of a new buffer from pieces of host arrays.
+
+    ``pieces`` (one list of ``(object ref, index)`` per chip, in device order)
+    travel from the client to the controller only: the controller hands each
+    chip its own by Ray call (so Ray tracks the refs) and forwards the command
+    without them.
+    """
+
+    buffer: int
+    shape: tuple[int, ...]
+    dtype: str
+    spec: Spec
+    mesh: MeshShape
+    start: int = 0
+    pieces: Any = None
+
+    reads = ()
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.buffer,)
+
+    def __reduce__(self):
+        return (Put, (self.buffer, self.shape, self.dtype, self.spec, self.mesh, self.start,
+                      self.pieces))
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run a loaded program on global arrays; its outputs become new buffers."""
+
+    fingerprint: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.inputs
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return self.outputs
+
+    def __reduce__(self):
+        return (Run, (self.fingerprint, self.inputs, self.outputs))
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard:
+    """The same array on the same chips with another sharding."""
+
+    src: int
+    dst: int
+    spec: Spec
+    mesh: MeshShape
+    start: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.dst,)
+
+    def __reduce__(self):
+        return (Reshard, (self.src, self.dst, self.spec, self.mesh, self.start))
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Drop buffers. Rides at the end of a batch: every command that reads one of them
+    was issued while the client still held its handle, so before the free."""
+
+    buffers: tuple[int, ...]
+
+    reads = writes = ()
+
+    def __reduce__(self):
+        return (Free, (self.buffers,))
+
+
+Command = Load | Put | Run | Reshard | Free
+
+
+def placed(cmd: Command, start: int) -> Command:
+    """``cmd`` as a worker runs it on a placement whose first device is ``start``
+    (a put's pieces stay behind)."""
+    match cmd:
+        case Put():
+            return replace(cmd, start=start, pieces=None)
+        case Reshard() if cmd.start != start:
+            return replace(cmd, start=start)
+        case _:
+            return cmd

@@ -1,0 +1,88 @@
+"""Names, directories, environment variables and timeouts: defined here and nowhere else.
+
+Pure (no Ray). Every wait on Ray or on a chip worker takes its deadline from
+``TIMEOUTS``; each entry names the environment variable that overrides it, so an
+error that says a wait ran out can name the setting that would make it longer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CACHE_ENV",
+    "DIR_ENV",
+    "NAMESPACE",
+    "PLATFORM_ENV",
+    "TIMEOUTS",
+    "Timeout",
+    "base_dir",
+    "default_compilation_cache_dir",
+    "timeout_s",
+]
+
+# The Ray namespace of every named actor and KV entry pathways-ray creates.
+NAMESPACE = "pathways-ray"
+
+DIR_ENV = "PATHWAYS_RAY_DIR"
+CACHE_ENV = "PATHWAYS_RAY_COMPILATION_CACHE_DIR"
+PLATFORM_ENV = "PATHWAYS_RAY_PLATFORM"  # "cpu" or "tpu": overrides detection on a host
+
+
+def base_dir() -> Path:
+    """Where local state lives: ``$PATHWAYS_RAY_DIR`` or ``/tmp/pathways-ray``.
+
+    Kept short because Ray's Unix socket paths of local fleets live below it.
+    """
+    return Path(os.environ.get(DIR_ENV, "/tmp/pathways-ray"))
+
+
+def default_compilation_cache_dir() -> str:
+    """``$PATHWAYS_RAY_COMPILATION_CACHE_DIR``, else ``<PATHWAYS_RAY_DIR>/xla-cache``.
+
+    On an emulated fleet every host is this machine, so a local directory is seen by
+    all of them; on a real cluster point the variable at shared storage (gs://…, NFS).
+    """
+    return os.environ.get(CACHE_ENV) or str(base_dir() / "xla-cache")
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """One named deadline: its default and the variable that overrides it."""
+
+    name: str
+    default_s: float
+    what: str
+
+    @property
+    def env(self) -> str:
+        return f"PATHWAYS_RAY_{self.name.upper()}_TIMEOUT_S"
+
+    def seconds(self) -> float:
+        raw = os.environ.get(self.env)
+        if raw is None:
+            return self.default_s
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{self.env}={raw!r} must be a number of seconds") from None
+        if value <= 0:
+            raise ValueError(f"{self.env}={raw!r} must be positive")
+        return value
+
+
+TIMEOUTS: dict[str, Timeout] = {t.name: t for t in [
+    Timeout("reserve", 120.0, "reserving a slice's placement group"),
+    Timeout("worker_start", 180.0, "starting chip workers and joining their JAX world"),
+    Timeout("control", 60.0, "a control call to the controller or a chip worker"),
+    Timeout("stream", 600.0, "a chip worker making progress on its command stream"),
+    Timeout("fetch", 300.0, "a result (fetch, block_until_ready, a cross-slice reshard)"),
+    Timeout("shutdown", 30.0, "releasing a slice or closing a client"),
+]}
+
+
+def timeout_s(name: str) -> float:
+    """The deadline named ``name`` (see ``TIMEOUTS``), after its env override."""
+    return TIMEOUTS[name].seconds()

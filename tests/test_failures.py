@@ -1,0 +1,142 @@
+"""A host dies under a running client: what the user sees is ours, prompt, and exact.
+
+One fleet of 2 x v6e 2x2 (two emulated hosts). Slice 1's host is killed for real
+(``LocalFleet.remove_host``: SIGKILL to its raylet and every process on it)
+while both slices run the same program.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pathways_ray import ControllerDied, LocalFleet, RemoteError, SliceLost, connect, reshard
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tfail") as f:
+        f.removed = []  # slices whose host a test removed, restored by the next
+        yield f
+
+
+def _remove(fleet, slice_name: str) -> None:
+    fleet.remove_host(slice_name, 0)
+    fleet.removed.append(slice_name)
+
+
+def _restore(fleet) -> None:
+    while fleet.removed:
+        fleet.restore_host(fleet.removed.pop(), 0)
+
+
+def _step(v):
+    return jnp.tanh(v) * 0.5 + v.mean()
+
+
+def _expected(x: np.ndarray, n: int) -> np.ndarray:
+    for _ in range(n):
+        x = np.tanh(x) * 0.5 + x.mean()
+    return x
+
+
+def test_losing_a_host_raises_slice_lost_and_the_other_slice_runs_on(fleet):
+    """Steps run on both slices; slice 1's host is removed. The next call touching slice
+    1 raises SliceLost naming the slice and its host within seconds (not a Ray error,
+    not a 600 s timeout); a reshard from it raises SliceLost and leaves nothing failed
+    on slice 0; slice 0 keeps running the same program with exact results; later calls
+    on slice 1 fail at once; close() returns promptly."""
+    client = connect()
+    s0, s1 = (s.name for s in client.slices)
+    mesh = client.mesh((4,), ("chips",))
+    sh = NamedSharding(mesh, P("chips"))
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    step = client.jit(_step)
+    a, b = client.device_put(x, sh, slice=s0), client.device_put(x, sh, slice=s1)
+    for _ in range(5):
+        a, b = step(a), step(b)
+    np.testing.assert_array_equal(b.fetch(), a.fetch())  # one program, bit for bit
+    np.testing.assert_allclose(a.fetch(), _expected(x, 5), rtol=1e-5, atol=1e-6)
+    b0 = b.fetch()
+
+    _remove(fleet, s1)
+    t0 = time.monotonic()
+    with pytest.raises(SliceLost) as lost:
+        step(b).fetch()
+    took = time.monotonic() - t0
+    assert took < 30, f"SliceLost took {took:.1f}s"
+    err = lost.value
+    assert not isinstance(err, ray.exceptions.RayError)
+    assert err.slice == s1 and err.hosts == (f"{s1}/0",), err
+    assert s1 in str(err) and "other slices keep running" in str(err)
+    assert "host died" in err.reason and "\n" not in str(err), err
+
+    # Once known, every call on slice 1 fails at once, before anything is sent.
+    t0 = time.monotonic()
+    for call in (lambda: step(b), lambda: client.device_put(x, sh, slice=s1),
+                 lambda: b.fetch(), lambda: reshard(a, sh, slice=s1)):
+        with pytest.raises(SliceLost, match=s1):
+            call()
+    assert time.monotonic() - t0 < 5
+
+    # Slice 0 runs on: the same program, the results slice 1 would have had (it held b0
+    # after 5 steps, as slice 0 did), nothing of it marked failed.
+    for _ in range(5):
+        a = step(a)
+    c = client.device_put(b0, sh, slice=s0)
+    for _ in range(5):
+        c = step(c)
+    np.testing.assert_array_equal(a.fetch(), c.fetch())
+    np.testing.assert_allclose(a.fetch(), _expected(x, 10), rtol=1e-5, atol=1e-6)
+    assert client.stats().keys() == {s0}
+
+    t0 = time.monotonic()
+    client.close()
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_reshard_from_a_lost_slice_raises_and_creates_nothing(fleet):
+    """The host comes back (a new slice under the old name); a client holding both
+    slices loses slice 1 again, and a cross-slice reshard of an array that lived there
+    raises SliceLost at the reshard, not a RemoteError at some later fetch."""
+    _restore(fleet)
+    client = connect()
+    try:
+        s0, s1 = (s.name for s in client.slices)
+        sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
+        x = np.arange(16, dtype=np.float32).reshape(4, 4)
+        on1 = client.device_put(x, sh, slice=s1)
+        np.testing.assert_array_equal(on1.fetch(), x)
+        _remove(fleet, s1)
+        with pytest.raises(SliceLost, match=s1):
+            reshard(on1, sh, slice=s0)
+        # The user's own error stays a RemoteError and costs no slice.
+        bad = client.jit(lambda v: v @ jnp.ones((3, 3), v.dtype))
+        with pytest.raises((RemoteError, TypeError, ValueError)):
+            bad(client.device_put(x, sh, slice=s0)).fetch()
+        ok = client.jit(lambda v: v * 2)(client.device_put(x, sh, slice=s0))
+        np.testing.assert_array_equal(ok.fetch(), x * 2)
+    finally:
+        client.close()
+        _restore(fleet)
+
+
+def test_a_dead_controller_raises_controller_died(fleet):
+    """Killing the controller actor: the next call raises ControllerDied saying how to
+    go on; close() still returns."""
+    client = connect()
+    sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
+    x = client.device_put(np.ones((4, 4), np.float32), sh)
+    x.block_until_ready()
+    ray.kill(client._controller)
+    with pytest.raises(ControllerDied, match=r"pathways_ray.connect\(\)"):
+        x.fetch()
+    client.close()
