@@ -2,8 +2,9 @@
 
 The schemas are the v1 ``openAPIV3Schema`` of KubeRay v1.7's RayCluster, RayJob
 and RayService CRDs, bundled in ``crds/`` (``scripts/bundle_crds.py`` makes
-them from the upstream YAML). Checking follows Kubernetes' structural-schema
-rules:
+them from the upstream YAML). ``jsonschema`` walks the schema and checks the
+standard keywords; what Kubernetes does differently is ours (below). Checking
+follows Kubernetes' structural-schema rules:
 
 - defaults from the schema are applied first, as the API server does;
 - an unknown field is an error — the API server would silently prune it, and a
@@ -24,6 +25,8 @@ import re
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from jsonschema import Draft4Validator, ValidationError, validators
 
 __all__ = ["SchemaError", "crd_schema", "validate"]
 
@@ -70,7 +73,7 @@ def validate(manifest: dict) -> dict:
     out = copy.deepcopy(manifest)
     schema = _schema(kind)
     _default(schema, out)
-    _check(schema, out, kind, errors, root=True)
+    _check(schema, out, kind, errors)
     if errors:
         raise SchemaError(kind, errors)
     return out
@@ -93,6 +96,15 @@ def _default(schema: dict, value: Any) -> None:
         for item in value:
             _default(schema["items"], item)
 
+
+# ---- checking: jsonschema walks the schema; the Kubernetes parts are ours -------------
+# OpenAPI v3 (what CRDs use) is JSON Schema draft 4 plus a few keywords. jsonschema
+# does the walking and the standard keywords (enum, pattern, lengths, bounds, items,
+# properties). Kubernetes' own rules replace four keywords: ``type`` (``nullable``,
+# ``x-kubernetes-int-or-string``, no bool for numbers), ``required`` and unknown
+# fields (structural schemas prune what they do not declare, unless
+# ``x-kubernetes-preserve-unknown-fields``), ``format: int32``; CEL rules
+# (``x-kubernetes-validations``) are refused rather than passed unchecked.
 
 _TYPES = {
     "object": (dict,),
@@ -117,79 +129,99 @@ def _type_ok(schema: dict, value: Any) -> bool:
     return isinstance(value, _TYPES[t])
 
 
-def _check(schema: dict, value: Any, path: str, errors: list[str], root: bool = False) -> None:
+def _k8s_type(validator, _t, value, schema):
     if not _type_ok(schema, value):
-        want = "int-or-string" if schema.get("x-kubernetes-int-or-string") else schema.get("type")
-        errors.append(f"{path}: expected {want}, got {type(value).__name__} {value!r}")
-        return
-    if value is None:
-        return
-    if "x-kubernetes-validations" in schema:
-        rules = "; ".join(r.get("rule", "") for r in schema["x-kubernetes-validations"])
-        errors.append(f"{path}: guarded by CEL rules this validator does not evaluate ({rules}); "
-                      f"leave the field unset or check it on a real API server")
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
-    if isinstance(value, str):
-        if "pattern" in schema and not re.search(schema["pattern"], value):
-            errors.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            errors.append(f"{path}: longer than {schema['maxLength']} characters")
-        if "minLength" in schema and len(value) < schema["minLength"]:
-            errors.append(f"{path}: shorter than {schema['minLength']} characters")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            errors.append(f"{path}: {value} is below the minimum {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            errors.append(f"{path}: {value} is above the maximum {schema['maximum']}")
-        if schema.get("format") == "int32" and not -(2**31) <= value < 2**31:
-            errors.append(f"{path}: {value} does not fit int32")
-    if isinstance(value, list):
-        if "minItems" in schema and len(value) < schema["minItems"]:
-            errors.append(f"{path}: needs at least {schema['minItems']} items")
-        if "maxItems" in schema and len(value) > schema["maxItems"]:
-            errors.append(f"{path}: allows at most {schema['maxItems']} items")
-        items = schema.get("items")
-        if isinstance(items, dict):
-            for i, item in enumerate(value):
-                _check(items, item, f"{path}[{i}]", errors)
+        want = "int-or-string" if schema.get("x-kubernetes-int-or-string") else schema["type"]
+        yield ValidationError(f"expected {want}, got {type(value).__name__} {value!r}")
+
+
+def _int_or_string(validator, flag, value, schema):
+    if "type" not in schema:  # otherwise _k8s_type checked it
+        yield from _k8s_type(validator, None, value, schema)
+
+
+def _required(validator, required, value, schema):
     if isinstance(value, dict):
-        for key in schema.get("required", []):
+        for key in required:
             if key not in value:
-                errors.append(f"{path}: missing required field {key!r}")
-        props = schema.get("properties")
-        extra = schema.get("additionalProperties")
-        preserve = schema.get("x-kubernetes-preserve-unknown-fields")
-        for key, sub_value in value.items():
-            sub_path = f"{path}.{key}"
-            if root and key == "metadata":
-                _check_object_meta(sub_value, sub_path, errors)
-            elif props and key in props:
-                _check(props[key], sub_value, sub_path, errors)
-            elif isinstance(extra, dict):
-                _check(extra, sub_value, sub_path, errors)
-            elif extra is True or preserve:
-                continue
-            else:
-                known = ", ".join(sorted(props)) if props else "none"
-                errors.append(f"{sub_path}: unknown field (the API server would drop it); "
-                              f"known fields here: {known}")
+                yield ValidationError(f"missing required field {key!r}")
 
 
-def _check_object_meta(meta: Any, path: str, errors: list[str]) -> None:
+def _properties(validator, props, value, schema):
+    if not isinstance(value, dict):
+        return
+    extra = schema.get("additionalProperties")
+    keep = extra is True or schema.get("x-kubernetes-preserve-unknown-fields")
+    for key, sub_value in value.items():
+        if key in props:
+            if sub_value is None and props[key].get("nullable"):
+                continue  # null where the schema allows it: nothing more to check
+            yield from validator.descend(sub_value, props[key], path=key, schema_path=key)
+        elif not keep and not isinstance(extra, dict):
+            yield ValidationError(f"unknown field (the API server would drop it); known "
+                                  f"fields here: {', '.join(sorted(props))}", path=[key])
+
+
+def _format(validator, fmt, value, schema):
+    if fmt == "int32" and isinstance(value, int) and not -(2**31) <= value < 2**31:
+        yield ValidationError(f"{value} does not fit int32")
+
+
+def _cel(validator, rules, value, schema):
+    text = "; ".join(r.get("rule", "") for r in rules)
+    yield ValidationError(f"guarded by CEL rules this validator does not evaluate ({text}); "
+                          f"leave the field unset or check it on a real API server")
+
+
+def _object_meta(validator, flag, value, schema):
+    errors: list[str] = []
+    _check_object_meta(value, errors)
+    for path, message in errors:
+        yield ValidationError(message, path=path)
+
+
+_K8sValidator = validators.extend(Draft4Validator, {
+    "type": _k8s_type,
+    "x-kubernetes-int-or-string": _int_or_string,
+    "required": _required,
+    "properties": _properties,
+    "format": _format,
+    "x-kubernetes-validations": _cel,
+    "x-object-meta": _object_meta,
+    "additionalProperties": None,  # unknown fields are _properties' business
+})
+
+
+@cache
+def _validator(kind: str):
+    schema = dict(_schema(kind))
+    props = dict(schema.get("properties", {}))
+    props["metadata"] = {"x-object-meta": True}  # checked as a create-time ObjectMeta
+    schema["properties"] = props
+    return _K8sValidator(schema)
+
+
+def _check(schema: dict, value: Any, kind: str, errors: list[str], root: bool = True) -> None:
+    for e in sorted(_validator(kind).iter_errors(value), key=lambda e: list(e.absolute_path)):
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+        errors.append(f"{kind}{path}: {e.message}")
+
+
+def _check_object_meta(meta: Any, errors: list) -> None:
+    """Errors of a root ``metadata`` as ``(path below it, message)``."""
     if not isinstance(meta, dict):
-        errors.append(f"{path}: expected object")
+        errors.append(([], "expected object"))
         return
     for key in meta:
         if key not in _OBJECT_META:
-            errors.append(f"{path}.{key}: not an ObjectMeta field settable on create")
+            errors.append(([key], "not an ObjectMeta field settable on create"))
     name = meta.get("name")
     if name is None and "generateName" not in meta:
-        errors.append(f"{path}: missing name")
+        errors.append(([], "missing name"))
     elif name is not None and (not isinstance(name, str) or len(name) > 253
                                or not _DNS_SUBDOMAIN.match(name)):
-        errors.append(f"{path}.name: {name!r} is not a DNS subdomain")
+        errors.append((["name"], f"{name!r} is not a DNS subdomain"))
     for field in ("labels", "annotations"):
         m = meta.get(field, {})
         if not isinstance(m, dict) or not all(isinstance(v, str) for v in m.values()):
-            errors.append(f"{path}.{field}: must map strings to strings")
+            errors.append(([field], "must map strings to strings"))

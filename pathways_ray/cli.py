@@ -217,15 +217,35 @@ def cmd_demo(args) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwinding as Ctrl-C does."""
+
+
 def handle_sigterm_as_interrupt() -> None:
     """Kubernetes, Docker and systemd stop a process with SIGTERM: unwind as on Ctrl-C
-    (``KeyboardInterrupt``), so every command stops what it started. One unwind: a
-    second SIGTERM does not cut the cleanup short."""
+    (``KeyboardInterrupt``), so every command stops what it started.
+
+    A signal handler's exception is lost when the signal lands inside a gc callback or
+    a ``__del__`` (JAX has a gc callback; seen here: SIGTERM mid-training was
+    "ignored" and the demo ran on). Python reports such a lost exception to
+    ``sys.unraisablehook``; ours has it raised again in the main thread a moment later
+    (from another thread: raised from the hook itself, it would be lost the same way).
+    """
+    import _thread
+    import threading
 
     def on_term(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
+        raise Terminated
 
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, Terminated):
+            threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGTERM,)).start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
     signal.signal(signal.SIGTERM, on_term)
 
 

@@ -122,3 +122,24 @@ def test_a_worker_that_dies_is_named():
         for _ in range(100):  # the first sends may still land in the kernel's buffer
             ch.send(dumps(["b"]), max_inflight=1)
     ch.close()
+
+
+def test_a_dead_worker_shows_at_the_next_send_not_after_the_inflight_window():
+    """Without backpressure due (max_inflight not reached), the send after the worker's
+    end closed already raises: the controller learns of a dead host at its next batch,
+    not after eight more batches went into a dead socket's buffer. A send with no ack
+    waiting costs no blocking read."""
+    srv = ChannelServer("127.0.0.1", lambda batch: None)
+    ch = CommandChannel(srv.address, srv.token, timeout_s=10, what="chip worker rank 0 of s")
+    ch.send(dumps(["a"]), max_inflight=8)
+    deadline = time.monotonic() + 5
+    while ch.acked < 1 and time.monotonic() < deadline:
+        ch.poll()  # non-blocking
+    assert ch.acked == 1
+    srv.close()
+    time.sleep(0.2)  # the close (FIN) reaches this end
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match="rank 0 of s"):
+        ch.send(dumps(["b"]), max_inflight=8)
+    assert time.monotonic() - t0 < 1
+    ch.close()

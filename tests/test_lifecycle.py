@@ -106,33 +106,36 @@ def _stop_if_left(name: str) -> None:
 
 def _interrupt_while(args: list[str], name: str, sig: int, ready: str, timeout_s: float):
     """Start the CLI, wait until ``ready`` shows in its output (or its head node runs,
-    for ``ready=""``), send ``sig``; returns (returncode, stdout, stderr)."""
+    for ``ready=""``), send ``sig``; returns (returncode, output, leftover processes)."""
+    import threading
+
     before = ray_processes()
     proc = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "COLUMNS": "160"},
                             preexec_fn=_default_signals)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
     try:
         head_log = Path(os.environ["PATHWAYS_RAY_DIR"]) / name / "head" / "ray-start.log"
-        seen = []
         deadline = time.monotonic() + timeout_s
-        if ready:
-            os.set_blocking(proc.stdout.fileno(), False)
         while time.monotonic() < deadline:
-            if ready:
-                seen.append(proc.stdout.read() or "")
-                if ready in "".join(seen):
-                    break
-            elif head_log.exists() and "Ray runtime started" in head_log.read_text(
+            if ready and ready in "".join(lines):
+                break
+            if not ready and head_log.exists() and "Ray runtime started" in head_log.read_text(
                     errors="replace"):
                 break
-            assert proc.poll() is None, "".join(seen)
+            assert proc.poll() is None, "".join(lines)
             time.sleep(0.2)
         assert ray_processes() - before - {proc.pid}, "the fleet should be starting by now"
         proc.send_signal(sig)
-        if ready:
-            os.set_blocking(proc.stdout.fileno(), True)
-        out, _ = proc.communicate(timeout=120)
-        return proc.returncode, "".join(seen) + out, leftovers(before | {proc.pid})
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("no exit 120 s after the signal:\n" + "".join(lines)) from None
+        reader.join(timeout=10)
+        return proc.returncode, "".join(lines), leftovers(before | {proc.pid})
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -65,6 +65,21 @@ def test_pure_modules_import_without_ray():
     assert out.stdout.splitlines() == ["v6e-16 False", "connect: No module named 'ray'"], out
 
 
+def test_torch_trainer_without_torch_names_the_extra():
+    """Without PyTorch, asking for TorchTrainer says which extra to install (Ray's own
+    message says only "pip install torch")."""
+    code = _NO_RAY.replace("'ray'", "'torch'").replace("'ray.'", "'torch.'") + (
+        "import pathways_ray.trainers as t\n"
+        "try:\n"
+        "    from pathways_ray.trainers import TorchTrainer\n"
+        "except ImportError as e:\n"
+        "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'pathways-ray[torch]'" in out.stdout, out
+
+
 def test_the_runtime_never_imports_the_emulator():
     """Only the CLI, the demo and the local-fleet modules import ``local_fleet``: the
     runtime (client, controller, slices, serving, trainers) runs the same on TPUs."""

@@ -44,6 +44,15 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "TorchTrainer":  # torch is an extra: import it only when asked for
+        import importlib.util
+
+        try:
+            missing = importlib.util.find_spec("torch") is None
+        except ImportError:
+            missing = True
+        if missing:
+            raise ImportError("TorchTrainer needs PyTorch, an extra of pathways-ray: "
+                              "pip install 'pathways-ray[torch]'")
         from pathways_ray.trainers.torch import TorchTrainer
 
         return TorchTrainer
