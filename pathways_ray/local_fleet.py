@@ -18,12 +18,9 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 from pathways_ray import _auth, _procs
 from pathways_ray._fleet_state import (
@@ -36,6 +33,7 @@ from pathways_ray._fleet_state import (
 from pathways_ray.config import base_dir
 from pathways_ray.errors import FleetError
 from pathways_ray.fleet import Fleet, _ensure_connected
+from pathways_ray.host_plan import HEAD_SYSTEM_CONFIG, HostPlan, plan_hosts, ray_start_command
 from pathways_ray.topology import Topology
 
 __all__ = ["HostPlan", "LocalFleet", "cluster_or_local", "plan_hosts", "running_fleets",
@@ -44,54 +42,6 @@ __all__ = ["HostPlan", "LocalFleet", "cluster_or_local", "plan_hosts", "running_
 logger = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
-
-# GCS notices a dead emulated host within ~5 s instead of Ray's default ~60 s.
-_HEAD_SYSTEM_CONFIG = {
-    "health_check_initial_delay_ms": 1000,
-    "health_check_period_ms": 1000,
-    "health_check_timeout_ms": 2000,
-    "health_check_failure_threshold": 5,
-}
-
-
-@dataclass(frozen=True)
-class HostPlan:
-    """One emulated TPU host: which slice, which TPU worker, and its env."""
-
-    slice_name: str
-    worker_id: int
-    topology: Topology
-    num_cpus: int
-
-    @property
-    def key(self) -> str:
-        return f"{self.slice_name}/{self.worker_id}"
-
-    @property
-    def env(self) -> dict[str, str]:
-        return self.topology.host_env(self.slice_name, self.worker_id)
-
-    @property
-    def resources(self) -> dict[str, float]:
-        # Only TPU: Ray adds accelerator_type, <slice name> and TPU-<pod>-head itself.
-        return {"TPU": self.topology.chips_per_host}
-
-
-def plan_hosts(slices: Sequence[Topology], cpus_per_host: int | None = None) -> list[HostPlan]:
-    """Name every slice ``<gen>-<shape>-<index>`` and lay out its hosts."""
-    plans = []
-    for index, topo in enumerate(slices):
-        name = f"{topo.generation.name}-{topo.name}-{index}"
-        cpus = cpus_per_host or max(4, 2 * topo.chips_per_host)
-        for worker_id in range(topo.num_hosts):
-            plans.append(HostPlan(name, worker_id, topo, cpus))
-    return plans
-
-
-def _ray_cli() -> list[str]:
-    exe = Path(sys.executable).with_name("ray")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
-
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -226,7 +176,7 @@ class LocalFleet(Fleet):
             port = self._port_pool.pop()
             head_args = [
                 "--head", f"--port={port}", f"--num-cpus={self.head_cpus}",
-                f"--system-config={json.dumps(_HEAD_SYSTEM_CONFIG)}",
+                f"--system-config={json.dumps(HEAD_SYSTEM_CONFIG)}",
                 f"--ray-client-server-port={self._port_pool.pop()}",
                 f"--include-dashboard={'true' if self.dashboard else 'false'}",
             ]
@@ -244,13 +194,9 @@ class LocalFleet(Fleet):
             progress("head node up", 1, total)
             procs = []
             for i, plan in enumerate(self.hosts):
-                args = [
-                    f"--address={self.address}",
-                    f"--num-cpus={plan.num_cpus}",
-                    f"--resources={json.dumps(plan.resources)}",
-                ]
                 env = {**plan.env, _procs.HOST_ENV: plan.key}
-                procs.append((plan.key, self._spawn(f"host{i}", plan.key, args, env)))
+                procs.append((plan.key, self._spawn(f"host{i}", plan.key,
+                                                    plan.start_args(self.address), env)))
             self._wait_started(procs, t0, progress=progress, offset=1, total=total)
             if self.connect:
                 _auth.use_token(self.token_path)
@@ -328,10 +274,8 @@ class LocalFleet(Fleet):
             raise FleetError(f"host {plan.key} is still running; remove_host() it first")
         i = self.hosts.index(plan)
         self._port_pool = self._take_ports(4)
-        args = [f"--address={self.address}", f"--num-cpus={plan.num_cpus}",
-                f"--resources={json.dumps(plan.resources)}"]
-        proc = self._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", plan.key, args,
-                           {**plan.env, _procs.HOST_ENV: plan.key})
+        proc = self._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", plan.key,
+                           plan.start_args(self.address), {**plan.env, _procs.HOST_ENV: plan.key})
         self._wait_started([(plan.key, proc)], time.monotonic(), timeout_s=timeout_s)
         if self.connect:
             self._wait_registered(time.monotonic(), timeout_s=timeout_s)
@@ -373,19 +317,8 @@ class LocalFleet(Fleet):
                     "TPU_WORKER_HOSTNAMES"):
             if key not in extra_env:
                 env.pop(key, None)  # the head is not a TPU host
-        cmd = _ray_cli() + [
-            "start",
-            f"--temp-dir={temp_dir}",
-            f"--object-store-memory={self.object_store_mb * 1024 * 1024}",
-            "--disable-usage-stats",
-            "--min-worker-port=0",
-            "--max-worker-port=0",
-            f"--dashboard-agent-listen-port={self._port_pool.pop()}",
-            f"--dashboard-agent-grpc-port={self._port_pool.pop()}",
-            f"--runtime-env-agent-port={self._port_pool.pop()}",
-            f"--metrics-export-port={self._port_pool.pop()}",
-            *args,
-        ]
+        ports = [self._port_pool.pop() for _ in range(4)]
+        cmd = ray_start_command(temp_dir, self.object_store_mb, ports, args)
         log_path = temp_dir / "ray-start.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

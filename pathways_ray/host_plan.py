@@ -1,0 +1,83 @@
+"""What each emulated TPU host is: its slice, TPU worker id, env, resources, and the
+``ray start`` command that brings it up. Pure (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pathways_ray.topology import Topology
+
+__all__ = ["HEAD_SYSTEM_CONFIG", "HostPlan", "plan_hosts", "ray_start_command"]
+
+# GCS notices a dead emulated host within ~5 s instead of Ray's default ~60 s.
+HEAD_SYSTEM_CONFIG = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 5,
+}
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One emulated TPU host: which slice, which TPU worker, and its env."""
+
+    slice_name: str
+    worker_id: int
+    topology: Topology
+    num_cpus: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.slice_name}/{self.worker_id}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.topology.host_env(self.slice_name, self.worker_id)
+
+    @property
+    def resources(self) -> dict[str, float]:
+        # Only TPU: Ray adds accelerator_type, <slice name> and TPU-<pod>-head itself.
+        return {"TPU": self.topology.chips_per_host}
+
+    def start_args(self, address: str) -> list[str]:
+        """``ray start`` arguments that join this host to the head at ``address``."""
+        return [f"--address={address}", f"--num-cpus={self.num_cpus}",
+                f"--resources={json.dumps(self.resources)}"]
+
+
+def plan_hosts(slices: Sequence[Topology], cpus_per_host: int | None = None) -> list[HostPlan]:
+    """Name every slice ``<gen>-<shape>-<index>`` and lay out its hosts."""
+    plans = []
+    for index, topo in enumerate(slices):
+        name = f"{topo.generation.name}-{topo.name}-{index}"
+        cpus = cpus_per_host or max(4, 2 * topo.chips_per_host)
+        for worker_id in range(topo.num_hosts):
+            plans.append(HostPlan(name, worker_id, topo, cpus))
+    return plans
+
+
+def ray_start_command(temp_dir: Path, object_store_mb: int, ports: Sequence[int],
+                      args: Sequence[str]) -> list[str]:
+    """``ray start`` for one node; ``ports`` are its dashboard agent (listen, gRPC),
+    runtime-env agent and metrics ports, distinct for every node of the machine."""
+    exe = Path(sys.executable).with_name("ray")
+    cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
+    listen, grpc, runtime_env, metrics = ports
+    return cli + [
+        "start",
+        f"--temp-dir={temp_dir}",
+        f"--object-store-memory={object_store_mb * 1024 * 1024}",
+        "--disable-usage-stats",
+        "--min-worker-port=0",
+        "--max-worker-port=0",
+        f"--dashboard-agent-listen-port={listen}",
+        f"--dashboard-agent-grpc-port={grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}",
+        *args,
+    ]
