@@ -115,7 +115,7 @@ def run_vllm_serve(args, ckpt):
     env = {**os.environ, **cpu_engine_env()}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
            "--served-model-name", "smollm2", "--max-model-len", str(args.max_model_len),
-           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+           "--enforce-eager", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
            "--uvicorn-log-level=warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

@@ -39,6 +39,7 @@ __all__ = ["ChannelServer", "CommandChannel"]
 
 _LEN = struct.Struct("!Q")
 TOKEN_BYTES = 32
+_TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp_states.h)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -194,6 +195,32 @@ class CommandChannel:
         end is closed."""
         with self._broken():
             self._read_acks(block=False)
+
+    def probe(self) -> tuple[bool, int]:
+        """``(closed, batches run)`` from another thread, consuming nothing: whether the
+        worker's end of the stream is gone (Linux: the socket left ESTABLISHED), and
+        the acks read so far or waiting unread in the socket."""
+        try:
+            state = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            if state != _TCP_ESTABLISHED:
+                return True, self.acked
+            if not select.select([self._sock], [], [], 0)[0]:
+                return False, self.acked
+            waiting = self._sock.recv(65536, socket.MSG_PEEK)
+        except OSError:
+            return True, self.acked
+        buf = self._acks + waiting
+        whole = len(buf) - len(buf) % _LEN.size
+        latest = _LEN.unpack_from(buf, whole - _LEN.size)[0] if whole else 0
+        return False, max(self.acked, latest)
+
+    def abort(self) -> None:
+        """Break the stream from another thread: a send or a wait blocked on it returns
+        at once with ``WorkerDied``."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _read_acks(self, block: bool) -> None:
         while True:

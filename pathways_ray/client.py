@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 import numpy as np
 
@@ -299,7 +300,9 @@ def connect(slices: list | None = None, *, reserve_timeout_s: float | None = Non
     specs = None if slices is None else list(slices)  # Topology objects or "v6e-4x4" strings
     # Errors of shards the controller fetched for the client reach the client; the
     # controller need not echo them as "unhandled" when it drops its refs.
-    env = {"env_vars": {"RAY_IGNORE_UNHANDLED_ERRORS": "1"}}
+    # The client's settings (timeouts, directories) hold for its controller too.
+    env = {"env_vars": {"RAY_IGNORE_UNHANDLED_ERRORS": "1",
+                        **{k: v for k, v in os.environ.items() if k.startswith("PATHWAYS_RAY_")}}}
     if compilation_cache_dir == "default":
         compilation_cache_dir = config.default_compilation_cache_dir()
     # The controller runs beside its client (as Ray Train's controller runs beside the

@@ -15,17 +15,21 @@ command sequence. A query (fetch, ready) carries the number of batches sent
 before it, and the worker answers only once it has run that many, so a fetch
 follows the commands that produced its buffer.
 
-Failure: a slice is the failure unit. When a stream to one of its workers
-breaks, or the client reports a worker of it dead, the controller marks the
-slice lost, names the hosts it found dead or unresponsive, and releases what
-is left of it; from then on every call that touches it raises that
-``SliceLost``, and the other slices carry on. (In a multislice world all
-slices share one JAX world, so they are lost together.)
+Failure: a slice is the failure unit. The health monitor (``health.py``)
+notices a dead worker within a second and a frozen one at the step deadline;
+a broken stream or the client's report of a dead worker does the same. The
+controller then marks the slice lost, names the hosts it found dead or
+unresponsive, and releases what is left of it; from then on every call that
+touches it raises that ``SliceLost``, and the other slices carry on. (In a
+multislice world all slices share one JAX world, so they are lost together.)
+State that the monitor thread and the call thread share is guarded by
+``_lock``, which is never held across a blocking send or wait.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, replace
 
 from pathways_ray import boundary
@@ -33,6 +37,7 @@ from pathways_ray.channel import CommandChannel, dumps
 from pathways_ray.commands import Command, Free, Load, Put, Run, placed
 from pathways_ray.config import timeout_s
 from pathways_ray.errors import SliceLost, WorkerDied
+from pathways_ray.health import HealthMonitor
 from pathways_ray.sharding import MeshShape, transfer_plan
 from pathways_ray.slice import Slice, ping_all
 
@@ -80,6 +85,9 @@ class Controller:
         self.loaded, self.arrays, self.loads_sent = {}, {}, {}
         self.programs: dict[str, bytes] = {}
         self.multislice = False
+        self._lock = threading.RLock()
+        self._last_load: dict[str, int] = {}  # slice -> number of its last batch with a Load
+        self._monitor: HealthMonitor | None = None
 
     def start(self) -> list[dict]:
         """Reserve the slices, start their workers, open the command streams; returns
@@ -117,6 +125,9 @@ class Controller:
             raise
         for s in self.slices.values():
             self._add_placement(Placement(s.name, (s,)))
+        self._monitor = HealthMonitor(self._streams, self._condemn,
+                                      step_timeout_s=timeout_s("step"),
+                                      compile_timeout_s=timeout_s("compile"))
         return self.describe()
 
     def _add_placement(self, p: Placement) -> None:
@@ -176,17 +187,28 @@ class Controller:
             live.update(cmd.writes)
             batch.append(placed(cmd, p.start))
         payload = dumps(batch)
+        loads = any(isinstance(c, Load) for c in batch)
         # Backpressure: a client that issues work faster than the slice runs it waits here.
         for s in p.slices:
-            for ch in self._channels[s.name]:
+            for ch in self._stream_of(s.name):
                 try:
                     ch.send(payload, self.max_inflight)
                 except WorkerDied as e:
                     raise self._lose(s.name, str(e)) from None
+                if loads:
+                    self._last_load[s.name] = ch.sent
 
     def _sent(self, p: Placement) -> list[int]:
         """Batches sent to each worker of a placement: what a query must wait for."""
-        return [ch.sent for s in p.slices for ch in self._channels[s.name]]
+        return [ch.sent for s in p.slices for ch in self._stream_of(s.name)]
+
+    def _stream_of(self, name: str) -> list[CommandChannel]:
+        """The command streams of a live slice; ``SliceLost`` once it is lost."""
+        channels = self._channels.get(name)
+        if channels is None:
+            with self._lock:
+                raise self.lost.get(name) or SliceLost(name, reason="it was released")
+        return channels
 
     def shard_refs(self, where: str, buffer_id: int, ranks: list[int]) -> list:
         """Object refs of the given ranks' shards (fetched by the client, not by us)."""
@@ -233,8 +255,25 @@ class Controller:
         errors = [self._lose(s.name, reason) for s in (sick or members)]
         return errors[0]
 
+    def _streams(self):
+        """For the health monitor: (slice, stream, its last batch with a Load)."""
+        with self._lock:
+            return [(name, ch, self._last_load.get(name, 0))
+                    for name, channels in self._channels.items() for ch in channels]
+
+    def _condemn(self, name: str, reason: str) -> None:
+        """The monitor found slice ``name`` dead or frozen: break its streams first (a
+        send or wait blocked on them returns at once), then mark it lost."""
+        for ch in self._channels.get(name, []):
+            ch.abort()
+        self._lose(name, reason)
+
     def _lose(self, name: str, reason: str) -> SliceLost:
         """Mark slice ``name`` lost (once), say which hosts, and release what is left."""
+        with self._lock:
+            return self._lose_locked(name, reason)
+
+    def _lose_locked(self, name: str, reason: str) -> SliceLost:
         if name in self.lost:
             return self.lost[name]
         import ray
@@ -247,17 +286,25 @@ class Controller:
         err = self.lost[name] = SliceLost(name, hosts, reason)
         logger.warning("%s", err)
         for ch in self._channels.pop(name, []):
+            ch.abort()  # a send or wait still blocked on it returns now
             ch.close()
         s.shutdown(lost=True)
         if self.multislice:  # one JAX world: the other slices cannot run a collective now
             for other in list(self.slices):
-                self._lose(other, f"it shared one JAX world with slice {name}, which was lost")
+                self._lose_locked(other, f"it shared one JAX world with slice {name}, which "
+                                         f"was lost")
         return err
 
     # ---- bookkeeping ------------------------------------------------------------
+    def health(self) -> dict[str, str]:
+        """Every slice this controller took: ``"ok"``, or why it was lost."""
+        with self._lock:
+            return {**{name: "ok" for name in self.slices},
+                    **{name: str(err) for name, err in self.lost.items()}}
+
     def stats(self) -> dict:
         out = {}
-        for name, p in self.placements.items():
+        for name, p in list(self.placements.items()):
             if any(s.name in self.lost for s in p.slices):
                 continue
             workers = boundary.get([w.handle.stats.remote() for w in p.workers],
@@ -274,16 +321,19 @@ class Controller:
         timeout)."""
         for name in list(self._channels):
             try:
-                for ch in self._channels.get(name, []):
+                for ch in list(self._channels.get(name, [])):
                     ch.wait_acked(ch.sent)
             except WorkerDied as e:
                 raise self._lose(name, str(e)) from None
 
     def shutdown(self) -> None:
-        for channels in self._channels.values():
-            for ch in channels:
-                ch.close()
-        self._channels.clear()
+        if getattr(self, "_monitor", None) is not None:
+            self._monitor.stop()
+        with self._lock:
+            for channels in self._channels.values():
+                for ch in channels:
+                    ch.close()
+            self._channels.clear()
         if getattr(self, "multislice", False) and self.slices:
             # One world: every member leaves it together, or the others wait for it.
             boundary.settle([w.handle.shutdown_world.remote() for s in self.slices.values()

@@ -250,22 +250,17 @@ class LocalFleet(Fleet):
 
     # ---- fault injection ------------------------------------------------------
     def remove_host(self, slice_name: str, worker_id: int, timeout_s: float = 30.0) -> str:
-        """Kill one emulated host as a VM loss would: SIGKILL to its raylet and
-        every process on it, then wait until Ray marks the node dead.
+        """Kill one emulated host as a VM loss would (``chaos.kill_host``); returns the
+        dead node's id."""
+        from pathways_ray import chaos
 
-        Returns the dead node's id.
-        """
-        plan = self._plan(slice_name, worker_id)
-        node_id = self.node_ids.get(plan.key, "")
-        killed = _procs.kill_all(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key),
-                                 grace_s=0, sig=_procs.signal.SIGKILL)
-        if not killed:
-            raise FleetError(f"host {plan.key} has no running processes; was it already removed?")
-        logger.warning("removed emulated host %s (node %s, %d processes)", plan.key,
-                       node_id[:8], killed)
-        if self.connect and node_id:
-            self._wait_node_state(node_id, alive=False, timeout_s=timeout_s)
-        return node_id
+        return chaos.kill_host(self, slice_name, worker_id, timeout_s=timeout_s)
+
+    def freeze_host(self, slice_name: str, worker_id: int, frozen: bool = True) -> int:
+        """SIGSTOP (``frozen=False``: SIGCONT) one emulated host (``chaos.freeze_host``)."""
+        from pathways_ray import chaos
+
+        return chaos.freeze_host(self, slice_name, worker_id, frozen=frozen)
 
     def restore_host(self, slice_name: str, worker_id: int, timeout_s: float = 60.0) -> str:
         """Start a fresh raylet for a removed host (a replacement VM). Returns its node id."""
@@ -380,16 +375,14 @@ class LocalFleet(Fleet):
                 raise FleetError(f"hosts {missing} did not register with the head in time")
             time.sleep(0.2)
 
-    def _wait_node_state(self, node_id: str, alive: bool, timeout_s: float) -> None:
+    def wait_node(self, node_id: str, alive: bool, timeout_s: float) -> None:
+        """Wait until Ray marks node ``node_id`` alive or dead."""
         import ray
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for node in ray.nodes():
-                if node["NodeID"] == node_id and bool(node["Alive"]) == alive:
-                    return
+            if any(n["NodeID"] == node_id and bool(n["Alive"]) == alive for n in ray.nodes()):
+                return
             time.sleep(0.2)
-        raise FleetError(
-            f"Ray did not mark node {node_id[:8]} {'alive' if alive else 'dead'} within "
-            f"timeout_s={timeout_s}"
-        )
+        raise FleetError(f"Ray did not mark node {node_id[:8]} {'alive' if alive else 'dead'} "
+                         f"within timeout_s={timeout_s}")

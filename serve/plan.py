@@ -26,10 +26,14 @@ __all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "accelerator_type", "llm_config_d
 PLATFORMS = ("tpu", "cpu")
 
 # Engine arguments per platform: vLLM's CPU engine runs eager (torch.compile adds
-# minutes to a start on 2 cores). Its environment is pathways_ray.serve.cpu_engine_env().
+# minutes to a start on 2 cores) and in float32: in bfloat16 the greedy output depends
+# on which kernels the CPU has (with AMX, SmolLM2 answered "What is the capital of
+# France?" with "L'Étoile, la Marseillaise, ..."; float32 gives Hugging Face's own
+# "The capital of France is Paris."). Its environment is
+# pathways_ray.serve.cpu_engine_env().
 ENGINE_ARG_DEFAULTS = {
     "tpu": {},
-    "cpu": {"enforce_eager": True},
+    "cpu": {"enforce_eager": True, "dtype": "float32"},
 }
 
 

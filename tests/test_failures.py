@@ -129,9 +129,47 @@ def test_a_reshard_from_a_lost_slice_raises_and_creates_nothing(fleet):
         _restore(fleet)
 
 
+def test_a_frozen_host_is_caught_by_the_step_deadline(fleet, monkeypatch):
+    """SIGSTOP on slice 1's host (its sockets stay open; gloo would wait ~100 s for
+    JAX's heartbeat): the controller's step deadline (3 s here) condemns the slice and
+    the next call raises SliceLost naming the host as frozen; slice 0 runs on."""
+    monkeypatch.setenv("PATHWAYS_RAY_STEP_TIMEOUT_S", "3")  # the controller inherits it
+    _restore(fleet)
+    client = connect()
+    try:
+        s0, s1 = (s.name for s in client.slices)
+        sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
+        x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+        step = client.jit(_step)
+        a, b = client.device_put(x, sh, slice=s0), client.device_put(x, sh, slice=s1)
+        a, b = step(a), step(b)
+        np.testing.assert_array_equal(a.fetch(), b.fetch())
+        fleet.freeze_host(s1, 0)
+        fleet.removed.append(s1)
+        t0 = time.monotonic()
+        with pytest.raises(SliceLost) as lost:
+            step(b).fetch()
+        took = time.monotonic() - t0
+        assert 3 <= took < 20, f"took {took:.1f}s"
+        assert "no progress" in lost.value.reason and lost.value.hosts == (f"{s1}/0",)
+        a = step(a)
+        np.testing.assert_allclose(a.fetch(), _expected(x, 2), rtol=1e-5, atol=1e-6)
+        assert ray.get(client._controller.health.remote())[s0] == "ok"
+    finally:
+        t0 = time.monotonic()
+        client.close()
+        assert time.monotonic() - t0 < 30
+        fleet.freeze_host(s1, 0, frozen=False)
+        try:
+            fleet.remove_host(s1, 0)
+        except Exception:  # noqa: BLE001 - its raylet may have exited by itself on waking
+            pass
+
+
 def test_a_dead_controller_raises_controller_died(fleet):
     """Killing the controller actor: the next call raises ControllerDied saying how to
     go on; close() still returns."""
+    _restore(fleet)
     client = connect()
     sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
     x = client.device_put(np.ones((4, 4), np.float32), sh)

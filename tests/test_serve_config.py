@@ -53,8 +53,8 @@ def test_emulated_replica_holds_its_slice_host():
     assert "accelerator_type" not in cfg
     assert cfg["placement_group_config"] == {
         "bundles": [{"CPU": 1, "TPU": 4, "TPU-v6e-4-head": 1}], "strategy": "STRICT_PACK"}
-    assert cfg["engine_kwargs"] == {"enforce_eager": True, "tensor_parallel_size": 1,
-                                    "max_model_len": 2048}
+    assert cfg["engine_kwargs"] == {"enforce_eager": True, "dtype": "float32",
+                                    "tensor_parallel_size": 1, "max_model_len": 2048}
     assert cfg["model_loading_config"] == {"model_id": "smollm2", "model_source": "/ckpt"}
     assert cfg["runtime_env"] == {"env_vars": {"A": "1"}}
     assert "experimental_configs" not in cfg

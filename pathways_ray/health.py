@@ -1,0 +1,130 @@
+"""Slice health, watched from the controller: a dead host within a second, a frozen
+one within the step deadline.
+
+A killed chip worker (its process, or its whole host) closes its end of the
+command stream: the kernel sends FIN or RST, and the controller's socket
+leaves the ESTABLISHED state at once. A *frozen* one (SIGSTOP, a hung
+kernel, a peer stuck in a collective) keeps its socket open and just stops
+acknowledging batches; its peers hang in gloo until JAX's heartbeat timeout
+(~100 s). Only a deadline on progress catches that in time: a slice whose
+workers have batches outstanding and acknowledge none of them for
+``step_timeout_s`` (``compile_timeout_s`` while a batch that loads a program
+is outstanding) is condemned.
+
+``stall_verdict`` is the decision, pure and tested in milliseconds;
+``HealthMonitor`` is the thread that feeds it and acts on it. The monitor
+reads sockets without consuming from them (the controller's own thread
+reads the acks), so it needs no lock with the dispatch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["HealthMonitor", "StreamState", "stall_verdict"]
+
+logger = logging.getLogger(__name__)
+
+
+SLOW_FACTOR = 5.0  # a batch may take this many times the slowest one seen so far
+
+
+def stall_verdict(sent: int, progress: int, stalled_for_s: float, loading: bool,
+                  step_timeout_s: float, compile_timeout_s: float,
+                  slowest_batch_s: float = 0.0) -> str | None:
+    """Why a chip worker counts as frozen, or None while it is fine.
+
+    ``sent`` batches went to it, it acknowledged ``progress`` of them, and nothing
+    changed for ``stalled_for_s``; ``loading`` says an outstanding batch loads (and
+    so compiles) a program, which may take much longer than a step. A stream whose
+    batches are slow by nature (long steps, many per batch) gets ``SLOW_FACTOR``
+    times its slowest batch so far, if that is longer than the deadline.
+    """
+    if progress >= sent:
+        return None  # idle: nothing outstanding
+    limit = compile_timeout_s if loading else max(step_timeout_s,
+                                                  SLOW_FACTOR * slowest_batch_s)
+    if stalled_for_s <= limit:
+        return None
+    what = "a batch that compiles a program" if loading else "a batch"
+    setting = "PATHWAYS_RAY_COMPILE_TIMEOUT_S" if loading else "PATHWAYS_RAY_STEP_TIMEOUT_S"
+    return (f"no progress for {stalled_for_s:.0f} s on {what} ({sent - progress} outstanding; "
+            f"limit {limit:g} s, ${setting}): a host is frozen or a step hangs")
+
+
+@dataclass
+class StreamState:
+    """What the monitor remembers of one command stream between looks."""
+
+    progress: int = 0
+    since: float = field(default_factory=time.monotonic)
+    slowest_batch_s: float = 0.0  # the longest a batch without a program load took
+
+
+class HealthMonitor:
+    """Looks at every command stream of every live slice each ``interval_s``.
+
+    ``streams()`` yields ``(slice name, channel, number of the last batch that holds a
+    Load)``;
+    ``condemn(slice name, reason)`` is called once per slice found dead or frozen.
+    """
+
+    def __init__(self, streams: Callable[[], Iterable[tuple[str, object, int]]],
+                 condemn: Callable[[str, str], None], *, interval_s: float = 0.25,
+                 step_timeout_s: float, compile_timeout_s: float):
+        self._streams = streams
+        self._condemn = condemn
+        self.interval_s = interval_s
+        self.step_timeout_s = step_timeout_s
+        self.compile_timeout_s = compile_timeout_s
+        self._state: dict[int, StreamState] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="pathways-ray-health")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.look()
+            except Exception:  # noqa: BLE001 - a bad look must not end the watch
+                logger.exception("health check failed")
+
+    def look(self) -> None:
+        now = time.monotonic()
+        condemned: dict[str, str] = {}
+        seen = set()
+        for name, ch, last_load in self._streams():
+            if name in condemned:
+                continue
+            seen.add(id(ch))
+            closed, progress = ch.probe()
+            if closed:
+                condemned[name] = (f"the command stream to {ch.what} closed: its process or "
+                                   f"host died")
+                continue
+            st = self._state.setdefault(id(ch), StreamState(progress, now))
+            loading = last_load > progress
+            if progress != st.progress:
+                if last_load <= st.progress:  # none of the batches just done compiled
+                    per_batch = (now - st.since) / (progress - st.progress)
+                    st.slowest_batch_s = max(st.slowest_batch_s, per_batch)
+                st.progress, st.since = progress, now
+            elif progress >= ch.sent:
+                st.since = now  # idle
+            verdict = stall_verdict(ch.sent, progress, now - st.since, loading,
+                                    self.step_timeout_s, self.compile_timeout_s,
+                                    st.slowest_batch_s)
+            if verdict:
+                condemned[name] = f"{ch.what}: {verdict}"
+        for key in set(self._state) - seen:
+            del self._state[key]
+        for name, reason in condemned.items():
+            self._condemn(name, reason)
+
+    def stop(self) -> None:
+        self._stop.set()
