@@ -88,6 +88,10 @@ class RemoteArray:
         out = self.fetch()
         return out.astype(dtype) if dtype is not None else out
 
+    def is_ready(self) -> bool:
+        """Whether the array is computed, without waiting (raises if it failed)."""
+        return self._client._is_ready(self.slice, self._id)
+
     def block_until_ready(self, timeout_s: float | None = None) -> RemoteArray:
         self._client._ready(self.slice, [self._id], timeout_s)
         return self

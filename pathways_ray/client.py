@@ -219,6 +219,34 @@ class Client:
         refs = self._call("ready", slice_name, ids, where=slice_name)
         self._worker_results(slice_name, refs, timeout_s, f"buffers {ids} on {slice_name}")
 
+    def _is_ready(self, slice_name: str, buffer_id: int) -> bool:
+        self._sync(slice_name)
+        refs = self._call("ready", slice_name, [buffer_id], where=slice_name)
+        running, failed = boundary.failed_now(refs)
+        if failed:
+            self._worker_results(slice_name, [failed[0][0]], 1.0, f"buffer {buffer_id}")
+        return not running
+
+    # ---- growing -------------------------------------------------------------------
+    def request_slices(self, count: int) -> None:
+        """Ask the controller for ``count`` more slices like the ones it lost; it reserves
+        them in the background as capacity appears (``refresh_slices`` lists them)."""
+        self._call("grow", count)
+
+    def refresh_slices(self) -> list[str]:
+        """Slices the controller added since the last look (a replacement reserved in the
+        background); they join ``client.slices``."""
+        known = {s.name for s in self.slices}
+        added = []
+        for d in self._call("describe"):
+            if d["name"] not in known:
+                info = SliceInfo(d["name"], d["topology"], d["chips"])
+                self._queue.add(info.name, [info.name])
+                self._chips[info.name] = info.chips
+                self.slices.append(info)
+                added.append(info.name)
+        return added
+
     def reshard(self, x: RemoteArray, sharding, slice: str | int | None = None) -> RemoteArray:
         """``x`` with another sharding, on its slice or on ``slice``.
 

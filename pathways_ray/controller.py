@@ -37,7 +37,7 @@ from pathways_ray.channel import CommandChannel, dumps
 from pathways_ray.commands import Command, Free, Load, Put, Run, placed
 from pathways_ray.config import timeout_s
 from pathways_ray.errors import SliceLost, WorkerDied
-from pathways_ray.health import HealthMonitor
+from pathways_ray.health import HealthMonitor, Regrower
 from pathways_ray.sharding import MeshShape, transfer_plan
 from pathways_ray.slice import Slice, ping_all
 
@@ -88,6 +88,8 @@ class Controller:
         self._lock = threading.RLock()
         self._last_load: dict[str, int] = {}  # slice -> number of its last batch with a Load
         self._monitor: HealthMonitor | None = None
+        self._shapes: dict = {}  # slice -> Topology, of every slice ever held
+        self._regrower = Regrower(self._reserve_replacement, self._add_replacement)
 
     def start(self) -> list[dict]:
         """Reserve the slices, start their workers, open the command streams; returns
@@ -111,24 +113,27 @@ class Controller:
                     s = Slice.reserve(spec, **opts)
                     self.slices[s.name] = s
             for s in self.slices.values():
-                ends = boundary.get(
-                    [w.handle.open_channel.remote() for w in s.workers], timeout="control",
-                    what=f"opening the command streams of {s.name}",
-                    died=lambda e, s=s: WorkerDied(f"a chip worker of {s.name} died before it "
-                                                   f"started: {e}"))
-                self._channels[s.name] = [
-                    CommandChannel(address, token, timeout_s=timeout_s("stream"),
-                                   what=f"chip worker rank {w.rank} of slice {s.name}")
-                    for w, (address, token) in zip(s.workers, ends, strict=True)]
+                self._channels[s.name] = self._open_streams(s)
         except BaseException:
             self.shutdown()
             raise
         for s in self.slices.values():
             self._add_placement(Placement(s.name, (s,)))
+        self._shapes = {name: s.topology for name, s in self.slices.items()}
         self._monitor = HealthMonitor(self._streams, self._condemn,
                                       step_timeout_s=timeout_s("step"),
                                       compile_timeout_s=timeout_s("compile"))
         return self.describe()
+
+    @staticmethod
+    def _open_streams(s: Slice) -> list[CommandChannel]:
+        ends = boundary.get(
+            [w.handle.open_channel.remote() for w in s.workers], timeout="control",
+            what=f"opening the command streams of {s.name}",
+            died=lambda e: WorkerDied(f"a chip worker of {s.name} died before it started: {e}"))
+        return [CommandChannel(address, token, timeout_s=timeout_s("stream"),
+                               what=f"chip worker rank {w.rank} of slice {s.name}")
+                for w, (address, token) in zip(s.workers, ends, strict=True)]
 
     def _add_placement(self, p: Placement) -> None:
         self.placements[p.name] = p
@@ -138,10 +143,12 @@ class Controller:
 
     # ---- what the client asks ------------------------------------------------
     def describe(self) -> list[dict]:
+        with self._lock:
+            live = list(self.slices.values())
         return [{"name": s.name, "topology": str(s.topology), "chips": s.num_chips,
                  "chips_per_host": s.topology.chips_per_host,
                  "workers": [(w.rank, w.info.worker_id, w.info.chip) for w in s.workers]}
-                for s in self.slices.values()]
+                for s in live]
 
     def group(self, slice_names: list[str]) -> dict:
         """A placement spanning several slices of this controller's one JAX world."""
@@ -245,6 +252,39 @@ class Controller:
         pieces = [[(refs[r][1], src_index[r]) for r in rs] for rs in needs]
         self.submit(dst, [replace(put, pieces=pieces)], source=src)
 
+    # ---- growing back -------------------------------------------------------------
+    def grow(self, count: int) -> None:
+        """Have ``count`` replacements on their way: slices shaped like the ones lost,
+        reserved in the background as soon as the cluster has them free. Each joins
+        ``describe()`` when ready, under a name of its own (a slice that comes back
+        under an old name is a new slice). Idempotent: ``grow(0)`` cancels."""
+        with self._lock:
+            shapes = [self._shapes[n] for n in self.lost if n in self._shapes]
+        self._regrower.want(shapes[:count])
+
+    def _reserve_replacement(self, topo) -> tuple[Slice, list[CommandChannel]]:
+        _, reserve_timeout_s, cache_dir, _ = self._args
+        s = Slice.reserve(topo, timeout_s=reserve_timeout_s, compilation_cache_dir=cache_dir,
+                          worker_cls=self.worker_cls)
+        try:
+            return s, self._open_streams(s)
+        except BaseException:
+            s.shutdown()
+            raise
+
+    def _add_replacement(self, got: tuple[Slice, list[CommandChannel]]) -> None:
+        s, channels = got
+        with self._lock:
+            taken = set(self.slices) | set(self.lost) | set(self.placements)
+            base, n = s.name, 2
+            while s.name in taken:
+                s.name, n = f"{base}.{n}", n + 1
+            self.slices[s.name] = s
+            self._shapes[s.name] = s.topology
+            self._channels[s.name] = channels
+            self._add_placement(Placement(s.name, (s,)))
+        logger.warning("slice %s joined (%s)", s.name, s.topology.describe())
+
     # ---- failures ---------------------------------------------------------------
     def report_lost(self, where: str, reason: str) -> SliceLost:
         """The client saw a chip worker of ``where`` die: mark the slice(s) of that
@@ -327,6 +367,7 @@ class Controller:
                 raise self._lose(name, str(e)) from None
 
     def shutdown(self) -> None:
+        self._regrower.stop()
         if getattr(self, "_monitor", None) is not None:
             self._monitor.stop()
         with self._lock:

@@ -1,88 +1,230 @@
-"""Data parallel across slices, data x model parallel within each, through the controller.
+"""Data parallel across slices, data x model parallel within each, through the controller;
+elastic: a lost slice costs at most the step it broke, and the run goes on.
 
-Each step, every slice computes the loss and gradients of its share of the
-global batch (one program, SPMD over the slice's chips); gradients are raveled
-into one vector inside that program, so exchanging them is one array per
-slice pair, moved worker to worker through Ray's object store (DCN in Pathways
-terms); each slice then averages and applies the update (a second program).
-Slices hold identical parameter replicas throughout.
+The global batch is cut into ``num_microbatches`` equal micro-batches (one per
+starting slice). Each step, the slice that owns a micro-batch computes its
+loss and gradients (one program, SPMD over the slice's chips), raveled into
+one vector with the loss as its last element. Every vector goes to every
+slice worker to worker (``reshard``: Ray's object store, DCN in Pathways
+terms), and every slice sums them in micro-batch order with one small program
+and applies the update (a second program), so the replicas stay bit-identical.
 
 Each slice here is a JAX world of its own (plain ``connect()``), so losing one
-slice leaves the others whole. ``connect(multislice=True)`` is the other model:
-one world over every slice's chips, one SPMD program across them, one failure
-domain.
+slice leaves the others whole: every survivor already holds the parameters.
+When a step raises ``SliceLost``, the trainer drops the slice, hands its
+micro-batches to the survivors (round robin: uneven, same shapes, so nothing
+is recompiled) and runs the step again from the parameters it started from.
+The global batch, the data order and so the losses stay those of the
+uninterrupted run. ``connect(multislice=True)`` is the other model: one world
+over every slice's chips, one failure domain.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from pathways_ray.client import Client, RemoteArray
+from pathways_ray.elastic_policy import (
+    ElasticEvent,
+    assign_microbatches,
+    check_failure,
+    want_more,
+)
+from pathways_ray.errors import SliceLost
 
-__all__ = ["DataParallelTrainer"]
+__all__ = ["DataParallelTrainer", "StepResult"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StepResult:
-    losses: list[RemoteArray]  # one scalar per slice, still on the slices
+    """One step's mean loss over the global batch, held on every slice that applied it;
+    ``mean_loss()`` reads it from the first one still there."""
+
+    losses: dict[str, RemoteArray]
 
     def mean_loss(self) -> float:
-        return float(np.mean([float(x.fetch()) for x in self.losses]))
+        last: SliceLost | None = None
+        for handle in self.losses.values():
+            try:
+                return float(handle.fetch())
+            except SliceLost as e:
+                last = e
+        raise last or RuntimeError("no slice holds this step's loss")
 
 
 class DataParallelTrainer:
+    """``step(batch)`` runs one step on the global batch over the live slices.
+
+    ``min_slices`` (default 1): losing slices below it raises ``NotEnoughSlices``;
+    ``max_failures`` bounds how many losses a run takes (None: any).
+    ``on_elastic_event(event)`` sees every loss, retry and added slice.
+    ``grow=True`` reserves replacements in the background (the controller looks for
+    free capacity) and adds each at a step boundary once it has compiled.
+    """
+
     def __init__(self, client: Client, loss_fn: Callable, params: dict, param_specs: dict,
-                 *, mesh_shape: tuple[int, int], lr: float, slices: list[str] | None = None):
+                 *, mesh_shape: tuple[int, int], lr: float, slices: list[str] | None = None,
+                 min_slices: int = 1, max_failures: int | None = None,
+                 on_elastic_event: Callable[[ElasticEvent], None] | None = None,
+                 grow: bool = False, grow_check_s: float = 1.0):
         import jax
         from jax.flatten_util import ravel_pytree
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
         self.client = client
-        self.slices = slices or [s.name for s in client.slices]
+        self.live = list(slices or [s.name for s in client.slices])
+        self.num_microbatches = len(self.live)
+        self.target = len(self.live)
+        self.min_slices, self.max_failures = min_slices, max_failures
+        self.on_elastic_event = on_elastic_event
+        self.events: list[ElasticEvent] = []
+        self.failures = 0
+        self.steps_done = 0
+        self.grow, self.grow_check_s = grow, grow_check_s
+        self._joining: dict[str, tuple[dict, RemoteArray]] = {}  # slice -> (params, warm-up)
+        self._next_grow_check = 0.0
+        self._asked = False  # replacements requested and not all arrived
         self.mesh = client.mesh(mesh_shape, ("data", "model"))
         self.param_shardings = jax.tree.map(lambda p: NamedSharding(self.mesh, p), param_specs,
                                             is_leaf=lambda x: isinstance(x, P))
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self.replicated = NamedSharding(self.mesh, P())
         _, unravel = ravel_pytree(params)
+        m = self.num_microbatches
 
         def grads(p, batch):
             loss, g = jax.value_and_grad(loss_fn)(p, batch)
-            return loss, ravel_pytree(g)[0]
+            return jax.numpy.concatenate([ravel_pytree(g)[0], loss[None]])
 
-        def apply(p, *flat_grads):
-            mean = sum(flat_grads) / len(flat_grads)
-            return jax.tree.map(lambda a, b: a - lr * b, p, unravel(mean))
+        def add(a, b):
+            return a + b
 
-        grads.__name__, apply.__name__ = "lm_grads", "lm_apply"
-        self._grads = client.jit(grads, out_shardings=(self.replicated, self.replicated))
-        self._apply = client.jit(apply, out_shardings=self.param_shardings)
+        def apply(p, total):
+            new = jax.tree.map(lambda a, b: a - lr * b, p, unravel(total[:-1] / m))
+            return new, total[-1] / m
+
+        grads.__name__, add.__name__, apply.__name__ = "dp_grads", "dp_add", "dp_apply"
+        self._grads = client.jit(grads, out_shardings=self.replicated)
+        self._add = client.jit(add, out_shardings=self.replicated)
+        self._apply = client.jit(apply, out_shardings=(self.param_shardings, self.replicated))
+        self._host_params = params
         self.params = {s: client.device_put(params, self.param_shardings, slice=s)
-                       for s in self.slices}
+                       for s in self.live}
 
+    @property
+    def slices(self) -> list[str]:
+        return list(self.live)
+
+    # ---- one step ----------------------------------------------------------------
     def step(self, batch: np.ndarray) -> StepResult:
-        """One step on the global ``batch`` (split evenly over the slices)."""
-        n = len(self.slices)
-        if len(batch) % n:
-            raise ValueError(f"batch of {len(batch)} rows does not split over {n} slices")
-        parts = np.split(batch, n)
-        out = {s: self._grads(self.params[s],
-                              self.client.device_put(part, self.batch_sharding, slice=s))
-               for s, part in zip(self.slices, parts, strict=True)}
-        for s in self.slices:
-            # Every slice sums the gradients in the same (slice) order, so the replicas
-            # stay bit-identical (float addition is not associative).
-            flat = [out[o][1] if o == s else self.client.reshard(out[o][1], self.replicated,
-                                                                  slice=s)
-                    for o in self.slices]
-            self.params[s] = self._apply(self.params[s], *flat)
-        return StepResult([out[s][0] for s in self.slices])
+        """One step on the global ``batch``; survives losing slices down to min_slices."""
+        m = self.num_microbatches
+        if len(batch) % m:
+            raise ValueError(f"batch of {len(batch)} rows does not split into {m} "
+                             f"micro-batches (one per starting slice)")
+        if self.grow:
+            self._grow_at_boundary()
+        parts = np.split(batch, m)
+        self._batch_shape, self._batch_dtype = parts[0].shape, parts[0].dtype
+        while True:
+            try:
+                new, losses = self._try_step(parts)
+            except SliceLost as e:
+                self._drop(e)
+                continue
+            self.params.update(new)
+            self.steps_done += 1
+            return StepResult(losses)
+
+    def _try_step(self, parts: list[np.ndarray]):
+        """The step from ``self.params``, touching nothing of them: a failure midway
+        leaves the parameters the step started from."""
+        owner = assign_microbatches(self.num_microbatches, self.live)
+        vec = [self._grads(self.params[s],
+                           self.client.device_put(part, self.batch_sharding, slice=s))
+               for s, part in zip(owner, parts, strict=True)]
+        new, losses = {}, {}
+        for s in self.live:
+            # Every slice sums the micro-batches in the same order, so the replicas stay
+            # bit-identical (float addition is not associative).
+            here = [v if o == s else self.client.reshard(v, self.replicated, slice=s)
+                    for o, v in zip(owner, vec, strict=True)]
+            total = here[0]
+            for v in here[1:]:
+                total = self._add(total, v)
+            new[s], losses[s] = self._apply(self.params[s], total)
+        return new, losses
+
+    def _drop(self, e: SliceLost) -> None:
+        lost = e.slice
+        if lost not in self.live:
+            raise e  # not one of ours: nothing to recover by dropping it
+        self.live.remove(lost)
+        self.params.pop(lost, None)
+        self.failures += 1
+        self._event("slice_lost", lost, e.reason)
+        check_failure(self.live, [lost], self.min_slices, self.failures, self.max_failures)
+        self._event("step_retried", lost, f"step {self.steps_done} again on {self.live}")
+
+    def _event(self, kind: str, slice_name: str, reason: str = "") -> None:
+        ev = ElasticEvent(kind, self.steps_done, slice_name, tuple(self.live), reason)
+        self.events.append(ev)
+        logger.warning("elastic: %s %s at step %d (%s); live %s", kind, slice_name,
+                       ev.step, reason, list(ev.live))
+        if self.on_elastic_event is not None:
+            self.on_elastic_event(ev)
+
+    # ---- growing back --------------------------------------------------------------
+    def _grow_at_boundary(self) -> None:
+        """Between steps: ask for replacements, warm up new slices in the background,
+        and add the ones whose warm-up finished (a copy of the current parameters)."""
+        import jax
+
+        now = time.monotonic()
+        if now >= self._next_grow_check:
+            self._next_grow_check = now + self.grow_check_s
+            for name in self.client.refresh_slices():
+                self._warm_up(name)
+            missing = want_more(len(self.live), self.target, len(self._joining))
+            if missing or self._asked:
+                self.client.request_slices(missing)
+                self._asked = bool(missing)
+        for name, (_, warm) in list(self._joining.items()):
+            try:
+                if not warm.is_ready():
+                    continue
+            except SliceLost:
+                self._joining.pop(name)
+                continue
+            del self._joining[name]
+            src = self.live[0]
+            self.params[name] = jax.tree.map(
+                lambda v, sh, to=name: self.client.reshard(v, sh, slice=to), self.params[src],
+                self.param_shardings)
+            self.live.append(name)
+            self._event("slice_added", name, f"parameters copied from {src}")
+
+    def _warm_up(self, name: str) -> None:
+        """Load and compile this trainer's programs on a new slice, off the step path:
+        one step on a batch of zeros, from the initial parameters."""
+        params = self.client.device_put(self._host_params, self.param_shardings, slice=name)
+        shape = self._batch_shape
+        zeros = self.client.device_put(np.zeros(shape, self._batch_dtype), self.batch_sharding,
+                                       slice=name)
+        v = self._grads(params, zeros)
+        _, loss = self._apply(params, self._add(v, v))
+        self._joining[name] = (params, loss)
+        self._event("slice_joining", name, "compiling")
 
     def fetch_params(self, slice_name: str | None = None) -> dict:
         import jax
 
-        return jax.tree.map(lambda a: a.fetch(), self.params[slice_name or self.slices[0]])
+        return jax.tree.map(lambda a: a.fetch(), self.params[slice_name or self.live[0]])

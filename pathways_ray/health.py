@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["HealthMonitor", "StreamState", "stall_verdict"]
+__all__ = ["HealthMonitor", "Regrower", "StreamState", "stall_verdict"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,61 @@ class HealthMonitor:
             del self._state[key]
         for name, reason in condemned.items():
             self._condemn(name, reason)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Regrower:
+    """Reserves replacement slices in the background, one after another, as soon as the
+    cluster has a free slice of the wanted shape (it looks once a second).
+
+    ``reserve(topology)`` does the reserving (and raises if someone else took the
+    slice meanwhile: tried again); ``add(result)`` hands the new slice over.
+    """
+
+    def __init__(self, reserve: Callable, add: Callable, interval_s: float = 1.0):
+        self._reserve, self._add = reserve, add
+        self.interval_s = interval_s
+        self._wanted: list = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def want(self, shapes: list) -> None:
+        """The replacements to have on their way now (replaces the earlier wish)."""
+        with self._lock:
+            self._wanted = list(shapes)
+            if self._wanted and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="pathways-ray-regrow")
+                self._thread.start()
+
+    def _next(self):
+        with self._lock:
+            return self._wanted[0] if self._wanted else None
+
+    def _run(self) -> None:
+        from pathways_ray.cluster import cluster_slices
+
+        while not self._stop.is_set() and (topo := self._next()) is not None:
+            if not any(v.idle and v.topology == topo for v in cluster_slices()):
+                self._stop.wait(self.interval_s)  # no capacity yet
+                continue
+            try:
+                got = self._reserve(topo)
+            except Exception:  # noqa: BLE001 - taken meanwhile, or it died: try again
+                logger.warning("reserving a replacement %s failed; retrying", topo,
+                               exc_info=True)
+                self._stop.wait(self.interval_s)
+                continue
+            if self._stop.is_set():
+                got[0].shutdown()
+                return
+            self._add(got)
+            with self._lock:
+                if self._wanted and self._wanted[0] == topo:
+                    self._wanted.pop(0)
 
     def stop(self) -> None:
         self._stop.set()
