@@ -163,6 +163,29 @@ def test_sigterm_mid_training_stops_everything():
     assert code == 130, out
     assert "interrupted" in out
     assert left == []
+    # A log is for reading: no colour codes into a pipe, no gloo chatter from the chips.
+    assert "\x1b[" not in out and "Gloo" not in out, out
+
+
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
+    """A fleet's ports are reserved together (never the same one twice), below the range
+    the kernel hands out for port 0 (where Ray's own components bind), and never one
+    the fleet already took."""
+    from pathways_ray._fleet_state import _ephemeral_low, free_ports
+
+    first = free_ports(30)
+    assert len(set(first)) == 30 and max(first) < _ephemeral_low()
+    more = free_ports(30, exclude=first)
+    assert not set(more) & set(first)
+
+
+def test_console_into_a_pipe_is_wide_and_plain(monkeypatch):
+    """Piped (not a terminal), the CLI's console does not cut tables at 80 columns."""
+    from pathways_ray._ui import LOG_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = make_console()
+    assert not console.is_terminal and console.width == LOG_WIDTH
 
 
 @pytest.mark.parametrize(
