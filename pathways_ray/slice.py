@@ -27,7 +27,7 @@ from pathways_ray import boundary, registry
 from pathways_ray.chip_worker import ChipWorker
 from pathways_ray.cluster import cluster_slices, describe_capacity
 from pathways_ray.config import NAMESPACE, TIMEOUTS
-from pathways_ray.errors import ReservationTimeout, WorkerDied
+from pathways_ray.errors import ReservationTimeout, WaitTimeout, WorkerDied
 from pathways_ray.topology import Topology
 from pathways_ray.worker_env import ChipInfo, rank_order
 
@@ -124,10 +124,11 @@ class Slice:
             raise ReservationTimeout(f"{e}\nThe cluster has:\n{_capacity()}") from e
         pg = spg.slice_placement_group
         remaining = max(0.1, timeout_s - (time.monotonic() - t0))
-        ready, _ = ray.wait([pg.ready()], timeout=remaining)
-        if not ready:
+        try:
+            boundary.wait([pg.ready()], timeout=remaining, what=f"reserving {topo.describe()}")
+        except WaitTimeout:
             spg.shutdown()
-            raise cls._timeout(topo, timeout_s, t0)
+            raise cls._timeout(topo, timeout_s, t0) from None
         logger.info("reserved %s in %.1fs", topo.describe(), time.monotonic() - t0)
 
         actor_cls = ray.remote(concurrency_groups={"control": 2})(worker_cls or ChipWorker)
