@@ -219,6 +219,16 @@ class Client:
         refs = self._call("ready", slice_name, ids, where=slice_name)
         self._worker_results(slice_name, refs, timeout_s, f"buffers {ids} on {slice_name}")
 
+    def block_until_ready(self, arrays: list[RemoteArray],
+                          timeout_s: float | None = None) -> None:
+        """Wait until every array is computed (one query per slice); raises the first
+        failure (``SliceLost``, ``RemoteError``)."""
+        by_slice: dict[str, list[int]] = {}
+        for a in arrays:
+            by_slice.setdefault(a.slice, []).append(a._id)
+        for name, ids in by_slice.items():
+            self._ready(name, ids, timeout_s)
+
     def _is_ready(self, slice_name: str, buffer_id: int) -> bool:
         self._sync(slice_name)
         refs = self._call("ready", slice_name, [buffer_id], where=slice_name)

@@ -151,14 +151,24 @@ class DataParallelTrainer:
         vec = [self._grads(self.params[s],
                            self.client.device_put(part, self.batch_sharding, slice=s))
                for s, part in zip(owner, parts, strict=True)]
+        here, copies = {}, []
+        for s in self.live:
+            here[s] = []
+            for o, v in zip(owner, vec, strict=True):
+                if o != s:
+                    v = self.client.reshard(v, self.replicated, slice=s)
+                    copies.append(v)
+                here[s].append(v)
+        # Every copy has landed before anything uses it: once this step returns, no later
+        # loss can reach back into it (a source that died while a copy was still being
+        # pulled raises SliceLost here, and the step runs again without it).
+        self.client.block_until_ready(copies)
         new, losses = {}, {}
         for s in self.live:
             # Every slice sums the micro-batches in the same order, so the replicas stay
             # bit-identical (float addition is not associative).
-            here = [v if o == s else self.client.reshard(v, self.replicated, slice=s)
-                    for o, v in zip(owner, vec, strict=True)]
-            total = here[0]
-            for v in here[1:]:
+            total = here[s][0]
+            for v in here[s][1:]:
                 total = self._add(total, v)
             new[s], losses[s] = self._apply(self.params[s], total)
         return new, losses

@@ -73,7 +73,7 @@ def test_losing_a_slice_mid_run_keeps_training_and_grows_back(fleet):
             if i == KILL_AT:
                 recovered_s = time.monotonic() - t_lost
             if i == STEPS - 1:
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + 300  # the new slice imports JAX on a busy machine
             if deadline and (len(trainer.live) == 3 or time.monotonic() > deadline):
                 break
         assert len(trainer.live) == 3, f"did not grow back: {events}"
