@@ -19,7 +19,7 @@ from pathways_ray.elastic_policy import NotEnoughSlices
 
 pytestmark = pytest.mark.slow
 
-STEPS, KILL_AT, RESTORE_AT, BATCH = 40, 12, 20, 24
+STEPS, KILL_AT, RESTORE_AT, BATCH = 40, 12, 14, 24
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,13 @@ def _batches(cfg, n):
     return [text.batch(rng, BATCH, cfg.seq + 1) for _ in range(n)]
 
 
+@pytest.mark.timeout(900)
 def test_losing_a_slice_mid_run_keeps_training_and_grows_back(fleet):
     """40 steps on 3 slices; before step 12 slice 1's host is killed. Every step
     completes without an exception in the loop, at most one step is recomputed, and
     the losses equal an uninterrupted 3-slice run's with the same global batches
     (rtol 1e-6: the same micro-batches and the same summation order). The host comes
-    back before step 20 and the run returns to 3 slices by itself."""
+    back two steps later and the run returns to 3 slices by itself."""
     cfg = LMConfig(lr=0.2)
     batches = _batches(cfg, STEPS + 100)
 
@@ -55,14 +56,14 @@ def test_losing_a_slice_mid_run_keeps_training_and_grows_back(fleet):
     finally:
         client.close()
 
-    events = []
+    events, t_lost, losses = [], None, []
     client = connect()
     try:
         trainer = _trainer(client, cfg, min_slices=2, grow=True,
                            on_elastic_event=events.append)
         start = list(trainer.live)
         victim = start[1]
-        losses, t_lost, deadline = [], None, None
+        deadline = None
         for i, batch in enumerate(batches):
             if i == KILL_AT:
                 fleet.remove_host(victim, 0)
@@ -74,11 +75,15 @@ def test_losing_a_slice_mid_run_keeps_training_and_grows_back(fleet):
                 recovered_s = time.monotonic() - t_lost
             if i == STEPS - 1:
                 deadline = time.monotonic() + 300  # the new slice imports JAX on a busy machine
-            if deadline and (len(trainer.live) == 3 or time.monotonic() > deadline):
-                break
+            if deadline:
+                if len(trainer.live) == 3 or time.monotonic() > deadline:
+                    break
+                time.sleep(2)  # leave the 2 cores to the replacement's start, step now and then
         assert len(trainer.live) == 3, f"did not grow back: {events}"
     finally:
         client.close()
+        if t_lost is not None and RESTORE_AT >= len(losses):  # failed before the restore
+            fleet.restore_host(victim, 0)
 
     kinds = [e.kind for e in events]
     assert kinds[:2] == ["slice_lost", "step_retried"], kinds
