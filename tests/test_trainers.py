@@ -141,6 +141,7 @@ def test_torch_ddp_across_two_slices_matches_one_process(fleet, tmp_path):
 def _fail_once(config: dict) -> None:
     """Rank 1 fails after the first checkpoint; the retry resumes from it."""
     import tempfile
+    import time
 
     import torch.distributed as dist
 
@@ -152,6 +153,11 @@ def _fail_once(config: dict) -> None:
                 Path(d, "attempt").write_text("0")
             ray.train.report({"attempt": 0}, checkpoint=ray.train.Checkpoint.from_directory(d)
                              if ctx.get_world_rank() == 0 else None)
+        # Ray Train's controller registers a reported checkpoint when it next polls the
+        # workers; an error it sees in the same poll can win (seen in CI under load: the
+        # retry found no checkpoint and failed again). Fail once that poll is surely done.
+        dist.barrier()
+        time.sleep(3)
         if ctx.get_world_rank() == 1:
             raise RuntimeError("injected failure on rank 1")
         dist.barrier()  # the others fail here, when rank 1's process group goes away
