@@ -85,6 +85,7 @@ class Controller:
         self.loaded, self.arrays, self.loads_sent = {}, {}, {}
         self.programs: dict[str, bytes] = {}
         self.multislice = False
+        self._closed = False
         self._lock = threading.RLock()
         self._last_load: dict[str, int] = {}  # slice -> number of its last batch with a Load
         self._monitor: HealthMonitor | None = None
@@ -119,7 +120,7 @@ class Controller:
             raise
         for s in self.slices.values():
             self._add_placement(Placement(s.name, (s,)))
-        self._shapes = {name: s.topology for name, s in self.slices.items()}
+        self._shapes.update((name, s.topology) for name, s in self.slices.items())
         self._monitor = HealthMonitor(self._streams, self._condemn,
                                       step_timeout_s=timeout_s("step"),
                                       compile_timeout_s=timeout_s("compile"))
@@ -176,7 +177,11 @@ class Controller:
 
     def submit(self, where: str, commands: list[Command], source: str | None = None) -> None:
         """Forward a batch of commands to every chip of a placement (one message per
-        worker). ``source`` names the slice a put's pieces come from, if another."""
+        worker). ``source`` names the slice a put's pieces come from, if another.
+        After ``shutdown`` (a batch still on its way when the client closed) it does
+        nothing: the client that sent it is gone."""
+        if self._closed:
+            return
         p = self._place(where)
         batch: list[Command] = []
         live, loaded = self.arrays[where], self.loaded[where]
@@ -258,6 +263,9 @@ class Controller:
         reserved in the background as soon as the cluster has them free. Each joins
         ``describe()`` when ready, under a name of its own (a slice that comes back
         under an old name is a new slice). Idempotent: ``grow(0)`` cancels."""
+        if self.multislice and count:
+            raise ValueError("a multislice world cannot take in a new slice; connect without "
+                             "multislice=True to grow back")
         with self._lock:
             shapes = [self._shapes[n] for n in self.lost if n in self._shapes]
         self._regrower.want(shapes[:count])
@@ -367,6 +375,7 @@ class Controller:
                 raise self._lose(name, str(e)) from None
 
     def shutdown(self) -> None:
+        self._closed = True
         self._regrower.stop()
         if getattr(self, "_monitor", None) is not None:
             self._monitor.stop()
