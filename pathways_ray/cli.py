@@ -230,23 +230,44 @@ def handle_sigterm_as_interrupt() -> None:
     "ignored" and the demo ran on). Python reports such a lost exception to
     ``sys.unraisablehook``; ours has it raised again in the main thread a moment later
     (from another thread: raised from the hook itself, it would be lost the same way).
+
+    A signal that lands while a module is being imported waits until the import is
+    done: raised there, it can cross a native extension's init (jaxlib's nanobind
+    turns it into a C++ exception nobody catches, and the process aborts; seen in CI
+    with SIGTERM during ``import jax``). Ctrl-C gets the same treatment.
     """
-    import _thread
     import threading
 
-    def on_term(signum, frame):
-        raise Terminated
+    main_thread = threading.main_thread().ident
+
+    def later(signum):  # a real signal to the main thread wakes it from a blocking call
+        threading.Timer(0.05, signal.pthread_kill, args=(main_thread, signum)).start()
+
+    def importing(frame) -> bool:
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                return True
+            frame = frame.f_back
+        return False
+
+    def on_signal(signum, frame):
+        if importing(frame):
+            later(signum)
+            return
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if isinstance(unraisable.exc_value, Terminated):
-            threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGTERM,)).start()
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            later(signal.SIGTERM if isinstance(unraisable.exc_value, Terminated)
+                  else signal.SIGINT)
             return
         previous(unraisable)
 
     sys.unraisablehook = hook
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "demo": cmd_demo}

@@ -109,3 +109,20 @@ def test_trainers_import_torch_only_when_asked():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=180, check=True).stdout.strip()
     assert out == "False True ['Checkpoint', 'CheckpointConfig', 'FailureConfig']", out
+
+
+def test_sigterm_during_an_import_waits_for_the_import(tmp_path):
+    """SIGTERM (or Ctrl-C) that lands while a module is imported is raised once the
+    import is done: raised inside it, it can cross a native extension's init (jaxlib's
+    nanobind aborts the process on it; seen in CI during ``import jax``)."""
+    (tmp_path / "slow_mod.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.5)\ndone = True\n")
+    code = ("import sys, time\nfrom pathways_ray.cli import handle_sigterm_as_interrupt, "
+            "Terminated\nhandle_sigterm_as_interrupt()\ntry:\n    import slow_mod\n"
+            "    time.sleep(10)\n    print('not interrupted')\nexcept Terminated:\n"
+            "    print('terminated after import', sys.modules['slow_mod'].done)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert out.stdout.strip() == "terminated after import True", out.stdout + out.stderr
