@@ -22,7 +22,7 @@ from typing import Any
 
 from pathways_ray.sharding import MeshShape, Spec
 
-__all__ = ["Command", "Free", "Load", "Put", "Reshard", "Run", "placed"]
+__all__ = ["Command", "Free", "Load", "Put", "Reshard", "Restore", "Run", "Save", "placed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +125,58 @@ class Free:
         return (Free, (self.buffers,))
 
 
-Command = Load | Put | Run | Reshard | Free
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Write buffers as one Orbax checkpoint at ``path``, every chip its own shards
+    (Orbax's multi-process save over the placement's JAX world). ``keys`` are the
+    pytree paths of the inputs; ``status`` becomes a replicated int32 scalar, the
+    number of arrays saved, once the checkpoint is committed."""
+
+    path: str
+    keys: tuple[tuple[str, ...], ...]
+    inputs: tuple[int, ...]
+    status: int
+    mesh: MeshShape
+    start: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.inputs
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.status,)
+
+    def __reduce__(self):
+        return (Save, (self.path, self.keys, self.inputs, self.status, self.mesh, self.start))
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Read arrays of the Orbax checkpoint at ``path`` into new buffers, every chip
+    only its own shards. ``keys``, ``shapes``, ``dtypes`` and ``specs`` are per output."""
+
+    path: str
+    keys: tuple[tuple[str, ...], ...]
+    outputs: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    specs: tuple[Spec, ...]
+    mesh: MeshShape
+    start: int = 0
+
+    reads = ()
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return self.outputs
+
+    def __reduce__(self):
+        return (Restore, (self.path, self.keys, self.outputs, self.shapes, self.dtypes,
+                          self.specs, self.mesh, self.start))
+
+
+Command = Load | Put | Run | Reshard | Free | Save | Restore
 
 
 def placed(cmd: Command, start: int) -> Command:
@@ -134,7 +185,7 @@ def placed(cmd: Command, start: int) -> Command:
     match cmd:
         case Put():
             return replace(cmd, start=start, pieces=None)
-        case Reshard() if cmd.start != start:
+        case Reshard() | Save() | Restore() if cmd.start != start:
             return replace(cmd, start=start)
         case _:
             return cmd

@@ -234,6 +234,37 @@ class DataParallelTrainer:
         self._joining[name] = (params, loss)
         self._event("slice_joining", name, "compiling")
 
+    # ---- checkpoints to storage ------------------------------------------------------
+    def save(self, path, *, timeout_s: float | None = None) -> int:
+        """Write the parameters and the step count as an Orbax checkpoint at ``path``
+        (``pathways_ray.checkpoint``: the chips write their shards). Any live slice
+        holds them; one that is lost meanwhile is dropped as in a step and the next
+        one writes. Returns the bytes saved."""
+        from pathways_ray import checkpoint
+
+        while True:
+            src = self.live[0]
+            step = self.client.device_put(np.int32(self.steps_done), self.replicated, slice=src)
+            try:
+                return checkpoint.save(path, {"params": self.params[src], "step": step},
+                                       timeout_s=timeout_s)
+            except SliceLost as e:
+                self._drop(e)
+
+    def restore(self, path, *, timeout_s: float | None = None) -> int:
+        """Load parameters and step count from a checkpoint written by ``save`` (by this
+        or another client, on any fleet) onto every live slice; returns the step count.
+        The run goes on from there: feed it the batches that come after that step."""
+        from pathways_ray import checkpoint
+
+        like = {"params": self.param_shardings, "step": self.replicated}
+        params, step = {}, 0
+        for s in self.live:
+            tree = checkpoint.restore(self.client, path, like, slice=s, timeout_s=timeout_s)
+            params[s], step = tree["params"], int(tree["step"].fetch())
+        self.params, self.steps_done = params, step
+        return step
+
     def fetch_params(self, slice_name: str | None = None) -> dict:
         import jax
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathways_ray.commands import Command, Free, Load, Put, Reshard, Run
+from pathways_ray.commands import Command, Free, Load, Put, Reshard, Restore, Run, Save
 from pathways_ray.errors import PathwaysError, RemoteError
 from pathways_ray.sharding import MeshShape, Spec, shard_slices
 
@@ -151,6 +151,10 @@ class Executor:
                             self.buffers.pop(i, None)
                     case Load():
                         self._load(cmd)
+                    case Save():
+                        self._save(cmd)
+                    case Restore():
+                        self._restore(cmd)
                     case _:
                         raise TypeError(f"unknown command {cmd!r}")
             except PathwaysError as e:  # the platform failed under the command
@@ -207,6 +211,50 @@ class Executor:
             return
         self.buffers[cmd.dst] = jax.device_put(src, self.sharding(cmd.mesh, cmd.spec,
                                                                   cmd.start))
+
+
+    # ---- checkpoints (Orbax; every chip of the placement takes part) ------------------
+    def _save(self, cmd: Save) -> None:
+        import jax
+        import orbax.checkpoint as ocp
+
+        arrays = [self.get(i) for i in cmd.inputs]
+        for a in arrays:
+            if isinstance(a, Failed):
+                self.buffers[cmd.status] = a
+                return
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(cmd.path, _nest(cmd.keys, arrays))
+            ckpt.wait_until_finished()  # committed on every chip before the status exists
+        sharding = self.sharding(cmd.mesh, (), cmd.start)
+        self.buffers[cmd.status] = jax.make_array_from_single_device_arrays(
+            (), sharding, [jax.device_put(np.int32(len(arrays)), jax.local_devices()[0])])
+
+    def _restore(self, cmd: Restore) -> None:
+        import jax
+        import orbax.checkpoint as ocp
+
+        like = [jax.ShapeDtypeStruct(shape, np.dtype(dtype),
+                                     sharding=self.sharding(cmd.mesh, spec, cmd.start))
+                for shape, dtype, spec in zip(cmd.shapes, cmd.dtypes, cmd.specs, strict=True)]
+        with ocp.StandardCheckpointer() as ckpt:
+            tree = ckpt.restore(cmd.path, _nest(cmd.keys, like))
+        for out_id, key in zip(cmd.outputs, cmd.keys, strict=True):
+            value = tree
+            for k in key:
+                value = value[k]
+            self.buffers[out_id] = value
+
+
+def _nest(keys: tuple[tuple[str, ...], ...], values: list) -> dict:
+    """Nested dicts from pytree paths: the tree Orbax writes, and reads back."""
+    out: dict = {}
+    for key, value in zip(keys, values, strict=True):
+        node = out
+        for k in key[:-1]:
+            node = node.setdefault(k, {})
+        node[key[-1]] = value
+    return out
 
 
 def _name(cmd: Command) -> str:
