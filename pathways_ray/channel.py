@@ -16,6 +16,13 @@ Security: the server accepts a connection only after it presents the
 nothing is unpickled before that. Each batch is acknowledged with its running
 count, which gives the controller backpressure and "everything up to batch N
 has been run" for the queries that must follow the stream (fetch, ready).
+
+Heartbeats: while a batch runs, the worker repeats its count every
+``HEARTBEAT_S`` on the same stream. A worker that compiles, or waits for a
+peer, keeps talking; a frozen one (SIGSTOP, a hung VM) falls silent, though its
+kernel keeps the connection open. ``probe()`` counts the frames received, so the
+health monitor tells the two apart (``health.py``) and blames the frozen slice,
+not the slices waiting on it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from pathways_ray.errors import WaitTimeout, WorkerDied
@@ -40,6 +48,7 @@ __all__ = ["ChannelServer", "CommandChannel"]
 _LEN = struct.Struct("!Q")
 TOKEN_BYTES = 32
 _TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp_states.h)
+HEARTBEAT_S = 0.5  # a busy worker's sign of life, this often
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -86,9 +95,27 @@ class ChannelServer:
         self._cond = threading.Condition()
         self._closed = False
         self._conn: socket.socket | None = None
+        self._busy = False  # a batch is running
+        self._send_lock = threading.Lock()  # acks and heartbeats share the stream
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name="pathways-ray-commands")
         self._thread.start()
+        threading.Thread(target=self._beat, daemon=True, name="pathways-ray-heartbeat").start()
+
+    def _beat(self) -> None:
+        """While a batch runs, repeat the count every ``HEARTBEAT_S`` (skipped when the
+        controller is not reading: a full send buffer must not stall acks)."""
+        while not self._closed:
+            time.sleep(HEARTBEAT_S)
+            conn = self._conn
+            if not self._busy or conn is None:
+                continue
+            with self._send_lock:
+                try:
+                    if select.select([], [conn], [], 0)[1]:
+                        conn.sendall(_LEN.pack(self._done))
+                except (OSError, ValueError):
+                    pass  # the connection is going away; _serve_connection sees it
 
     def wait_for(self, n: int, timeout_s: float) -> None:
         with self._cond:
@@ -122,15 +149,19 @@ class ChannelServer:
         try:
             while True:
                 batch = pickle.loads(recv_msg(conn))
+                self._busy = True
                 try:
                     self._handler(batch)
                 except Exception:  # noqa: BLE001 - the executor records its own failures
                     logger.exception("command batch failed")
+                finally:
+                    self._busy = False
                 with self._cond:
                     self._done += 1
                     done = self._done
                     self._cond.notify_all()
-                conn.sendall(_LEN.pack(done))
+                with self._send_lock:
+                    conn.sendall(_LEN.pack(done))
         except (OSError, ConnectionError, EOFError):
             pass  # the controller went away; wait for the next one
         finally:
@@ -165,6 +196,7 @@ class CommandChannel:
         self.sent = 0
         self.acked = 0
         self._acks = b""  # a partial ack frame read so far
+        self._received = 0  # bytes of acks and heartbeats read so far
         with self._broken():
             self._sock = socket.create_connection(self._address, timeout=timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -186,9 +218,16 @@ class CommandChannel:
             self.wait_acked(self.sent - max_inflight)
 
     def wait_acked(self, n: int) -> None:
+        """Wait until ``n`` batches have run; ``WaitTimeout`` if the count stops moving
+        for ``timeout_s`` (heartbeats show the worker alive, not that it progresses)."""
         with self._broken(n):
+            last, deadline = self.acked, time.monotonic() + self.timeout_s
             while self.acked < n:
                 self._read_acks(block=True)
+                if self.acked != last:
+                    last, deadline = self.acked, time.monotonic() + self.timeout_s
+                elif time.monotonic() > deadline:
+                    raise TimeoutError
 
     def poll(self) -> None:
         """Read the acks that arrived, without blocking; ``WorkerDied`` if the worker's
@@ -196,23 +235,26 @@ class CommandChannel:
         with self._broken():
             self._read_acks(block=False)
 
-    def probe(self) -> tuple[bool, int]:
-        """``(closed, batches run)`` from another thread, consuming nothing: whether the
-        worker's end of the stream is gone (Linux: the socket left ESTABLISHED), and
-        the acks read so far or waiting unread in the socket."""
+    def probe(self) -> tuple[bool, int, int]:
+        """``(closed, batches run, frames heard)`` from another thread, consuming
+        nothing: whether the worker's end of the stream is gone (Linux: the socket
+        left ESTABLISHED), the acks read so far or waiting unread in the socket, and
+        how many frames (acks and heartbeats) arrived so far: a count that stops
+        moving while a batch is outstanding means a silent worker."""
+        received = self._received
         try:
             state = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
             if state != _TCP_ESTABLISHED:
-                return True, self.acked
+                return True, self.acked, received // _LEN.size
             if not select.select([self._sock], [], [], 0)[0]:
-                return False, self.acked
-            waiting = self._sock.recv(65536, socket.MSG_PEEK)
+                return False, self.acked, received // _LEN.size
+            waiting = self._sock.recv(1 << 20, socket.MSG_PEEK)
         except OSError:
-            return True, self.acked
+            return True, self.acked, received // _LEN.size
         buf = self._acks + waiting
         whole = len(buf) - len(buf) % _LEN.size
         latest = _LEN.unpack_from(buf, whole - _LEN.size)[0] if whole else 0
-        return False, max(self.acked, latest)
+        return False, max(self.acked, latest), (received + len(waiting)) // _LEN.size
 
     def abort(self) -> None:
         """Break the stream from another thread: a send or a wait blocked on it returns
@@ -227,9 +269,10 @@ class CommandChannel:
             # (MSG_DONTWAIT would not do: a socket with a timeout polls before recv)
             if not block and not select.select([self._sock], [], [], 0)[0]:
                 return
-            data = self._sock.recv(4096)
+            data = self._sock.recv(65536)
             if not data:
                 raise ConnectionError("the worker closed the stream")
+            self._received += len(data)
             buf = self._acks + data
             whole = len(buf) - len(buf) % _LEN.size
             if whole:

@@ -3,7 +3,8 @@
     pathways-ray up --slices 2 --accelerator v6e --topology 2x4 --chips-per-host 4
     pathways-ray status
     pathways-ray down
-    pathways-ray demo
+    pathways-ray demo [--chaos]
+    pathways-ray chaos kill-host v6e-2x4-1
 """
 
 from __future__ import annotations
@@ -83,6 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", default=None,
                     help="Ray cluster address (default: $RAY_ADDRESS, else the local fleet)")
     st.add_argument("--name", default=None, help="local fleet name, when several are running")
+    st.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                    help="redraw the table every SECONDS until Ctrl-C (host and worker "
+                    "health, live)")
+
+    chaos = sub.add_parser(
+        "chaos", help="kill, freeze, thaw or restore an emulated TPU host (fault injection)",
+        description="Inject a failure into a running local fleet, for real: kill-host "
+        "SIGKILLs every process of one emulated TPU host (a lost VM), freeze-host SIGSTOPs "
+        "them (a hung VM), thaw-host SIGCONTs them, restore-host starts a fresh host in "
+        "place of a killed one (a replacement VM).")
+    chaos.add_argument("action", choices=list(CHAOS_ACTIONS))
+    chaos.add_argument("slice", help="slice name, as `pathways-ray status` shows it")
+    chaos.add_argument("--worker", type=int, default=0,
+                       help="the host's TPU worker id within its slice (default 0)")
+    chaos.add_argument("--name", default=None, help="local fleet name, when several are running")
 
     down = sub.add_parser("down", help="stop a local emulated fleet")
     down.add_argument("--name", default=None, help="fleet name (default: the only one running)")
@@ -98,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=_positive_int, default=64,
                       help="global batch, split over slices and their data axis (64)")
     demo.add_argument("--out", default="pathways-ray-demo", help="where loss.png goes")
+    demo.add_argument("--chaos", action="store_true",
+                      help="kill a host of the last slice a third of the way in and bring it "
+                      "back two steps later: training carries on, then grows back")
     _add_plugins(sub)
     return parser
 
@@ -175,11 +194,44 @@ def _connect_for_status(args):
 def cmd_status(args) -> int:
     from pathways_ray.status import collect_status, render_status
 
+    if args.watch is not None and args.watch <= 0:
+        raise ValueError(f"--watch {args.watch:g}: give the seconds between redraws, e.g. 2")
     fleet = _connect_for_status(args)
     try:
-        console.print(render_status(*collect_status()))
+        if args.watch is None:
+            console.print(render_status(*collect_status()))
+            return 0
+        import time
+
+        from rich.live import Live
+
+        with Live(render_status(*collect_status()), console=console,
+                  auto_refresh=False) as live:
+            while True:
+                time.sleep(args.watch)
+                live.update(render_status(*collect_status()), refresh=True)
     finally:
         fleet.shutdown()
+
+
+CHAOS_ACTIONS = {"kill-host": "killed", "freeze-host": "froze", "thaw-host": "thawed",
+                 "restore-host": "restored"}
+
+
+def cmd_chaos(args) -> int:
+    from pathways_ray.local_fleet import LocalFleet
+
+    fleet = LocalFleet.running(args.name)
+    fleet._plan(args.slice, args.worker)  # a ValueError naming the hosts there are
+    match args.action:
+        case "kill-host":
+            fleet.remove_host(args.slice, args.worker)
+        case "freeze-host" | "thaw-host":
+            fleet.freeze_host(args.slice, args.worker, frozen=args.action == "freeze-host")
+        case "restore-host":
+            fleet.restore_host(args.slice, args.worker)
+    console.print(f"{CHAOS_ACTIONS[args.action]} host {args.slice}/{args.worker} of fleet "
+                  f"{fleet.name!r}")
     return 0
 
 
@@ -213,7 +265,7 @@ def cmd_demo(args) -> int:
     topo = _topology(args)
     run_demo(num_slices=args.slices, accelerator=topo.generation.name, topology=topo.name,
              chips_per_host=topo.chips_per_host, steps=args.steps, batch=args.batch,
-             out_dir=args.out, console=console)
+             out_dir=args.out, console=console, chaos=args.chaos)
     return 0
 
 
@@ -270,7 +322,8 @@ def handle_sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
-COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "demo": cmd_demo}
+COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "demo": cmd_demo,
+            "chaos": cmd_chaos}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,8 +78,10 @@ TIMEOUTS: dict[str, Timeout] = {t.name: t for t in [
     Timeout("worker_start", 180.0, "starting chip workers and joining their JAX world"),
     Timeout("control", 60.0, "a control call to the controller or a chip worker"),
     Timeout("stream", 600.0, "a chip worker making progress on its command stream"),
-    Timeout("step", 30.0, "a slice acknowledging a batch before it counts as frozen"),
-    Timeout("compile", 300.0, "the same, for a batch that compiles a program"),
+    Timeout("step", 10.0, "a chip worker with work outstanding silent (no ack, no "
+                          "heartbeat) before its host counts as frozen"),
+    Timeout("compile", 300.0, "a chip worker alive but making no progress (compiling, or "
+                              "a step that hangs) before it counts as hung"),
     Timeout("fetch", 300.0, "a result (fetch, block_until_ready, a cross-slice reshard)"),
     Timeout("shutdown", 30.0, "releasing a slice or closing a client"),
 ]}

@@ -16,7 +16,7 @@ before it, and the worker answers only once it has run that many, so a fetch
 follows the commands that produced its buffer.
 
 Failure: a slice is the failure unit. The health monitor (``health.py``)
-notices a dead worker within a second and a frozen one at the step deadline;
+notices a dead worker within a second and a silent (frozen) one at the step deadline;
 a broken stream or the client's report of a dead worker does the same. The
 controller then marks the slice lost, names the hosts it found dead or
 unresponsive, and releases what is left of it; from then on every call that

@@ -3,13 +3,15 @@ one within the step deadline.
 
 A killed chip worker (its process, or its whole host) closes its end of the
 command stream: the kernel sends FIN or RST, and the controller's socket
-leaves the ESTABLISHED state at once. A *frozen* one (SIGSTOP, a hung
-kernel, a peer stuck in a collective) keeps its socket open and just stops
-acknowledging batches; its peers hang in gloo until JAX's heartbeat timeout
-(~100 s). Only a deadline on progress catches that in time: a slice whose
-workers have batches outstanding and acknowledge none of them for
-``step_timeout_s`` (``compile_timeout_s`` while a batch that loads a program
-is outstanding) is condemned.
+leaves the ESTABLISHED state at once. A *frozen* one (SIGSTOP, a hung VM)
+keeps its socket open and falls silent; its peers would hang in gloo until
+JAX's heartbeat timeout (~100 s). A worker running a batch repeats its count
+every ``channel.HEARTBEAT_S``, so silence tells frozen from busy: a worker with
+batches outstanding that sends nothing for ``step_timeout_s`` is frozen, and
+its slice is condemned. A worker that keeps talking but makes no progress
+(a step that hangs, though its process runs) gets ``compile_timeout_s``, or
+``SLOW_FACTOR`` times its slowest batch if longer. Workers waiting on a frozen
+peer, in their slice or another, keep talking: the blame lands on the frozen one.
 
 ``stall_verdict`` is the decision, pure and tested in milliseconds;
 ``HealthMonitor`` is the thread that feeds it and acts on it. The monitor
@@ -33,27 +35,30 @@ logger = logging.getLogger(__name__)
 SLOW_FACTOR = 5.0  # a batch may take this many times the slowest one seen so far
 
 
-def stall_verdict(sent: int, progress: int, stalled_for_s: float, loading: bool,
+def stall_verdict(sent: int, progress: int, stalled_for_s: float, silent_for_s: float,
                   step_timeout_s: float, compile_timeout_s: float,
                   slowest_batch_s: float = 0.0) -> str | None:
-    """Why a chip worker counts as frozen, or None while it is fine.
+    """Why a chip worker counts as frozen or hung, or None while it is fine.
 
-    ``sent`` batches went to it, it acknowledged ``progress`` of them, and nothing
-    changed for ``stalled_for_s``; ``loading`` says an outstanding batch loads (and
-    so compiles) a program, which may take much longer than a step. A stream whose
-    batches are slow by nature (long steps, many per batch) gets ``SLOW_FACTOR``
-    times its slowest batch so far, if that is longer than the deadline.
+    ``sent`` batches went to it and it acknowledged ``progress`` of them; its count
+    last moved ``stalled_for_s`` ago and it last sent anything (an ack or a
+    heartbeat) ``silent_for_s`` ago. Silence past ``step_timeout_s`` with work
+    outstanding is a frozen worker. Talking without progress past the hang limit
+    (``compile_timeout_s``, or ``SLOW_FACTOR`` times the slowest batch so far if
+    longer) is a step that hangs.
     """
     if progress >= sent:
         return None  # idle: nothing outstanding
-    limit = compile_timeout_s if loading else max(step_timeout_s,
-                                                  SLOW_FACTOR * slowest_batch_s)
+    outstanding = sent - progress
+    if silent_for_s > step_timeout_s:
+        return (f"silent for {silent_for_s:.0f} s with {outstanding} batch(es) outstanding "
+                f"(limit {step_timeout_s:g} s, $PATHWAYS_RAY_STEP_TIMEOUT_S): its host is "
+                f"frozen")
+    limit = max(compile_timeout_s, SLOW_FACTOR * slowest_batch_s)
     if stalled_for_s <= limit:
         return None
-    what = "a batch that compiles a program" if loading else "a batch"
-    setting = "PATHWAYS_RAY_COMPILE_TIMEOUT_S" if loading else "PATHWAYS_RAY_STEP_TIMEOUT_S"
-    return (f"no progress for {stalled_for_s:.0f} s on {what} ({sent - progress} outstanding; "
-            f"limit {limit:g} s, ${setting}): a host is frozen or a step hangs")
+    return (f"no progress for {stalled_for_s:.0f} s on a batch though alive ({outstanding} "
+            f"outstanding; limit {limit:g} s, $PATHWAYS_RAY_COMPILE_TIMEOUT_S): a step hangs")
 
 
 @dataclass
@@ -62,6 +67,8 @@ class StreamState:
 
     progress: int = 0
     since: float = field(default_factory=time.monotonic)
+    frames: int = 0  # acks and heartbeats heard
+    heard: float = field(default_factory=time.monotonic)
     slowest_batch_s: float = 0.0  # the longest a batch without a program load took
 
 
@@ -102,13 +109,12 @@ class HealthMonitor:
             if name in condemned:
                 continue
             seen.add(id(ch))
-            closed, progress = ch.probe()
+            closed, progress, frames = ch.probe()
             if closed:
                 condemned[name] = (f"the command stream to {ch.what} closed: its process or "
                                    f"host died")
                 continue
-            st = self._state.setdefault(id(ch), StreamState(progress, now))
-            loading = last_load > progress
+            st = self._state.setdefault(id(ch), StreamState(progress, now, frames, now))
             if progress != st.progress:
                 if last_load <= st.progress:  # none of the batches just done compiled
                     per_batch = (now - st.since) / (progress - st.progress)
@@ -116,7 +122,9 @@ class HealthMonitor:
                 st.progress, st.since = progress, now
             elif progress >= ch.sent:
                 st.since = now  # idle
-            verdict = stall_verdict(ch.sent, progress, now - st.since, loading,
+            if frames != st.frames or progress >= ch.sent:
+                st.frames, st.heard = frames, now  # heard from, or nothing to say
+            verdict = stall_verdict(ch.sent, progress, now - st.since, now - st.heard,
                                     self.step_timeout_s, self.compile_timeout_s,
                                     st.slowest_batch_s)
             if verdict:

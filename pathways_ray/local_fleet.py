@@ -133,6 +133,28 @@ class LocalFleet(Fleet):
         self._port_pool: list[int] = []
         self._started = False
 
+    @classmethod
+    def running(cls, name: str | None = None) -> LocalFleet:
+        """A handle on a fleet another process started (``pathways-ray up``), for fault
+        injection (``remove_host``, ``freeze_host``, ``restore_host``). It does not own
+        the fleet: its ``shutdown()`` leaves it running (``pathways-ray down`` stops it).
+        """
+        fleets = running_fleets()
+        if name is not None:
+            fleets = [f for f in fleets if f.name == name]
+        if not fleets:
+            raise FleetError(f"no local fleet{f' named {name!r}' if name else ''} is running; "
+                             f"start one with `pathways-ray up`")
+        if len(fleets) > 1:
+            raise FleetError("several local fleets are running ("
+                             + ", ".join(f.name for f in fleets) + "); pick one by name")
+        state = fleets[0]
+        fleet = cls([Topology.of(s["topology"], chips_per_host=s["chips_per_host"])
+                     for s in state.slices], name=state.name, connect=False, detach=True)
+        fleet.fleet_id, fleet.address = state.fleet_id, state.address
+        fleet.dashboard_url, fleet._state = state.dashboard_url, state
+        return fleet
+
     # ---- lifecycle --------------------------------------------------------
     def start(self, progress: ProgressFn | None = None) -> LocalFleet:
         """Start the head and every host; returns once all hosts joined."""

@@ -2,7 +2,8 @@
 
 A host is really killed mid-run (``LocalFleet.remove_host``): the run goes on
 on 2 slices with no exception and the losses of the uninterrupted run, then
-grows back to 3 when the host returns.
+grows back to 3 when the host returns. A frozen host (SIGSTOP) is caught by the
+step deadline and costs the same. An error in the user's program costs nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from pathways_ray import LocalFleet, connect
+from pathways_ray import LocalFleet, RemoteError, connect
 from pathways_ray.data_parallel import DataParallelTrainer
 from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
 from pathways_ray.elastic_policy import NotEnoughSlices
@@ -29,8 +30,11 @@ def fleet():
         yield f
 
 
-def _trainer(client, cfg, **kw):
-    return DataParallelTrainer(client, lambda p, b: loss_fn(p, b, cfg), init_params(cfg),
+CFG = LMConfig(lr=0.2)
+
+
+def _trainer(client, cfg=CFG, loss=loss_fn, **kw):
+    return DataParallelTrainer(client, lambda p, b: loss(p, b, cfg), init_params(cfg),
                                param_specs(cfg), mesh_shape=(2, 2), lr=cfg.lr, **kw)
 
 
@@ -39,27 +43,27 @@ def _batches(cfg, n):
     return [text.batch(rng, BATCH, cfg.seq + 1) for _ in range(n)]
 
 
+@pytest.fixture(scope="module")
+def expected(fleet):
+    """The losses of an uninterrupted 3-slice run."""
+    with connect() as client:
+        ref = _trainer(client)
+        return [ref.step(b).mean_loss() for b in _batches(CFG, STEPS)]
+
+
 @pytest.mark.timeout(900)
-def test_losing_a_slice_mid_run_keeps_training_and_grows_back(fleet):
+def test_losing_a_slice_mid_run_keeps_training_and_grows_back(fleet, expected):
     """40 steps on 3 slices; before step 12 slice 1's host is killed. Every step
     completes without an exception in the loop, at most one step is recomputed, and
     the losses equal an uninterrupted 3-slice run's with the same global batches
     (rtol 1e-6: the same micro-batches and the same summation order). The host comes
     back two steps later and the run returns to 3 slices by itself."""
-    cfg = LMConfig(lr=0.2)
+    cfg = CFG
     batches = _batches(cfg, STEPS + 100)
-
-    client = connect()
-    try:
-        ref = _trainer(client, cfg)
-        expected = [ref.step(b).mean_loss() for b in batches[:STEPS]]
-    finally:
-        client.close()
-
     events, t_lost, losses = [], None, []
     client = connect()
     try:
-        trainer = _trainer(client, cfg, min_slices=2, grow=True,
+        trainer = _trainer(client, min_slices=2, grow=True,
                            on_elastic_event=events.append)
         start = list(trainer.live)
         victim = start[1]
@@ -96,15 +100,77 @@ def test_losing_a_slice_mid_run_keeps_training_and_grows_back(fleet):
     assert recovered_s < 30, recovered_s
 
 
+@pytest.mark.timeout(600)
+def test_a_frozen_host_mid_run_is_caught_by_the_step_deadline(fleet, expected, monkeypatch):
+    """The same run with slice 1's host frozen (SIGSTOP: its sockets stay open, gloo
+    would wait ~100 s for JAX's heartbeat) before step 12. The controller's step
+    deadline (3 s here) condemns the slice; the step runs again on 2 slices, no
+    exception reaches the loop and the losses are the uninterrupted run's."""
+    monkeypatch.setenv("PATHWAYS_RAY_STEP_TIMEOUT_S", "3")  # the controller inherits it
+    events, losses = [], []
+    client = connect()
+    victim = client.slices[1].name
+    try:
+        trainer = _trainer(client, min_slices=2, on_elastic_event=events.append)
+        for i, batch in enumerate(_batches(CFG, STEPS)):
+            if i == KILL_AT:
+                fleet.freeze_host(victim, 0)
+                t_frozen = time.monotonic()
+            losses.append(trainer.step(batch).mean_loss())
+            if i == KILL_AT:
+                recovered_s = time.monotonic() - t_frozen
+    finally:
+        client.close()
+        fleet.freeze_host(victim, 0, frozen=False)
+        try:
+            fleet.remove_host(victim, 0)
+        except Exception:  # noqa: BLE001 - its raylet may have exited by itself on waking
+            pass
+        fleet.restore_host(victim, 0)
+    kinds = [e.kind for e in events]
+    assert kinds == ["slice_lost", "step_retried"], kinds
+    assert events[0].slice == victim and events[0].step == KILL_AT
+    assert "silent" in events[0].reason and "frozen" in events[0].reason, events[0].reason
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    assert recovered_s < 20, f"{recovered_s:.1f} s: not the 3 s step deadline"
+
+
+def _oom_loss(params, batch, cfg):
+    """The user's loss, plus a temporary far larger than any chip's memory: XLA fails
+    the step at run time on the chips (RESOURCE_EXHAUSTED)."""
+    import jax.numpy as jnp
+
+    big = jnp.sort(jnp.arange(1 << 36, dtype=jnp.float32) * batch[0, 0].astype(jnp.float32))
+    return loss_fn(params, batch, cfg) + 0.0 * big[0]
+
+
+def test_an_error_in_the_users_step_costs_no_slice(fleet):
+    """A step that fails inside the user's program on the chips raises RemoteError with
+    the remote traceback in the loop; no slice is dropped, every slice stays healthy,
+    and the same client trains on with every slice."""
+    import ray
+
+    events = []
+    with connect() as client:
+        batches = _batches(CFG, 2)
+        bad = _trainer(client, loss=_oom_loss, on_elastic_event=events.append)
+        with pytest.raises(RemoteError, match="RESOURCE_EXHAUSTED") as err:
+            bad.step(batches[0]).mean_loss()
+        assert "Traceback" in str(err.value)
+        assert events == [] and len(bad.live) == 3
+        assert set(ray.get(client._controller.health.remote()).values()) == {"ok"}
+        good = _trainer(client)
+        assert np.isfinite(good.step(batches[1]).mean_loss()) and len(good.live) == 3
+
+
 def test_below_min_slices_ends_the_run_with_a_clear_error(fleet):
     """Losing a slice when only min_slices are left raises NotEnoughSlices naming what
     was lost and the setting; nothing hangs."""
-    cfg = LMConfig(lr=0.2)
-    batches = _batches(cfg, 4)
+    batches = _batches(CFG, 4)
     client = connect()
     victim = client.slices[0].name
     try:
-        trainer = _trainer(client, cfg, min_slices=len(client.slices))
+        trainer = _trainer(client, min_slices=len(client.slices))
         trainer.step(batches[0]).mean_loss()
         fleet.remove_host(victim, 0)
         t0 = time.monotonic()

@@ -238,3 +238,82 @@ def test_main_job_trains_writes_plot_and_cleans_up(tmp_path):
     assert result.plot.exists() and result.plot.stat().st_size > 10_000
     assert "controller holds" in text and "ranks 0-3: 4 ok" in text and "summary" in text
     assert leftovers(before) == []
+
+
+@pytest.mark.slow
+def test_cli_chaos_against_a_running_fleet():
+    """`pathways-ray chaos` on a fleet left running by `up`: a bad host is named with the
+    hosts there are; kill-host takes a host down for real (`status` shows it dead) and
+    restore-host brings a new one; freeze-host stops every process of a host and
+    thaw-host resumes them; `status --watch` redraws until Ctrl-C. Nothing is left."""
+    import psutil
+
+    from pathways_ray import _procs
+
+    before = ray_processes()
+    up = run_cli("up", "--slices", "2", "--topology", "2x2", "--name", "tchaos")
+    assert up.returncode == 0, up.stderr
+    env = {**os.environ, "COLUMNS": "160"}
+    env.pop("RAY_ADDRESS", None)
+    watch = subprocess.Popen(CLI + ["status", "--name", "tchaos", "--watch", "0.5"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env)
+    try:
+        bad = run_cli("chaos", "kill-host", "v6e-2x2-7", "--name", "tchaos")
+        assert bad.returncode == 2 and "no host slice_name='v6e-2x2-7'" in bad.stderr, bad.stderr
+        assert "v6e-2x2-1/0" in bad.stderr
+
+        kill = run_cli("chaos", "kill-host", "v6e-2x2-1", "--name", "tchaos")
+        assert kill.returncode == 0, kill.stderr
+        assert "killed host v6e-2x2-1/0 of fleet 'tchaos'" in kill.stdout
+        deadline = time.monotonic() + 30
+        while "dead" not in (status := run_cli("status", "--name", "tchaos")).stdout:
+            assert time.monotonic() < deadline, status.stdout + status.stderr
+            time.sleep(1)
+        restore = run_cli("chaos", "restore-host", "v6e-2x2-1", "--name", "tchaos")
+        assert restore.returncode == 0, restore.stderr
+
+        freeze = run_cli("chaos", "freeze-host", "v6e-2x2-0", "--name", "tchaos")
+        assert freeze.returncode == 0, freeze.stderr
+        from pathways_ray.local_fleet import LocalFleet
+
+        fleet = LocalFleet.running("tchaos")
+        procs = _procs.find(_procs.HOST_ENV, "v6e-2x2-0/0", fleet._host_sessions("v6e-2x2-0/0"))
+        assert procs and {p.status() for p in procs} == {psutil.STATUS_STOPPED}
+        thaw = run_cli("chaos", "thaw-host", "v6e-2x2-0", "--name", "tchaos")
+        assert thaw.returncode == 0, thaw.stderr
+        assert psutil.STATUS_STOPPED not in {p.status() for p in procs if p.is_running()}
+
+        watch.send_signal(signal.SIGINT)
+        out = watch.communicate(timeout=60)[0]
+        assert watch.returncode == 130 and "pathways-ray fleet" in out, out
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+        down = run_cli("down", "--name", "tchaos")
+    assert down.returncode == 0, down.stderr
+    assert leftovers(before) == []
+
+
+@pytest.mark.slow
+def test_demo_with_chaos_trains_through_a_lost_host(tmp_path):
+    """`pathways-ray demo --chaos` in small: a host of the last slice is killed a third
+    of the way in; every step still yields a loss and the loss falls, the events are in
+    the summary and on the plot, and nothing is left."""
+    from rich.console import Console
+
+    from pathways_ray.demo import run_demo
+
+    before = ray_processes()
+    console = Console(record=True, width=120)
+    result = run_demo(steps=9, batch=16, out_dir=tmp_path, console=console, chaos=True)
+    text = console.export_text()
+    kinds = [e.kind for e in result.events]
+    assert kinds[:2] == ["slice_lost", "step_retried"], kinds
+    victim = result.events[0].slice
+    assert result.events[0].step == 3
+    assert len(result.losses) == 9 and result.losses[-1] < result.losses[0]
+    assert f"chaos: killed host {victim}/0 before step 4" in text
+    assert f"slice lost: {victim}" in text
+    assert result.plot.exists() and result.plot.stat().st_size > 10_000
+    assert leftovers(before) == []

@@ -5,6 +5,11 @@ reserves every slice), and trains ``pathways_ray.demo.lm`` on synthetic text: da
 parallel across slices, data x model parallel within each slice. Shows a
 progress bar (step, loss, tokens/s), writes a loss-curve PNG, prints the fleet
 status and a summary, and stops every process it started.
+
+``chaos=True`` rehearses a failure: a third of the way in, one host of the last
+slice is killed for real (``LocalFleet.remove_host``); training goes on on the
+slices left, the host comes back two steps later, and the trainer grows back
+onto it once its chips have compiled. The events are marked on the loss plot.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class DemoResult:
     tokens_per_s: float
     train_s: float
     plot: Path
+    events: tuple = ()  # the elastic events (a chaos run)
 
 
 def run_demo(
@@ -44,6 +50,7 @@ def run_demo(
     batch: int = 64,
     out_dir: str | Path = "pathways-ray-demo",
     console: Console | None = None,
+    chaos: bool = False,
 ) -> DemoResult:
     from pathways_ray.client import connect
     from pathways_ray.data_parallel import DataParallelTrainer
@@ -53,6 +60,9 @@ def run_demo(
     topo = Topology.parse(accelerator, topology, chips_per_host=chips_per_host)
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
+    if chaos and (num_slices < 2 or steps < 6):
+        raise ValueError(f"chaos=True needs 2 or more slices and 6 or more steps (got "
+                         f"{num_slices} slices, {steps} steps): training goes on on the rest")
     model_par = 2 if topo.chips % 2 == 0 else 1
     mesh_shape = (topo.chips // model_par, model_par)
     per_slice = batch // num_slices
@@ -79,17 +89,20 @@ def run_demo(
         try:
             console.print("controller holds " + ", ".join(
                 f"{s.name} ({s.chips} chips)" for s in client.slices))
+            events: list = []
             trainer = DataParallelTrainer(client, lambda p, b: loss_fn(p, b, cfg),
                                           init_params(cfg), param_specs(cfg),
-                                          mesh_shape=mesh_shape, lr=cfg.lr)
-            losses, train_s, tps = _train(trainer, text, cfg, steps, batch, console)
+                                          mesh_shape=mesh_shape, lr=cfg.lr, grow=chaos,
+                                          on_elastic_event=events.append)
+            injector = _Chaos(fleet, client.slices[-1].name, steps, console) if chaos else None
+            losses, train_s, tps = _train(trainer, text, cfg, steps, batch, console, injector)
             console.print(render_status(*collect_status()))
         finally:
             client.close()
     finally:
         fleet.shutdown()
     plot = _plot(losses, text.entropy_rate, Path(out_dir) / "loss.png",
-                 f"{num_slices} x {topo.generation.name} {topo.name} (emulated)")
+                 f"{num_slices} x {topo.generation.name} {topo.name} (emulated)", events)
     summary = Table(title="summary", title_justify="left", show_header=False)
     for k, v in [("slices", f"{num_slices} x {topo.describe()}"),
                  ("steps", str(steps)),
@@ -98,12 +111,35 @@ def run_demo(
                  ("train time", f"{train_s:.1f}s (fleet up {fleet_up:.1f}s)"),
                  ("loss curve", str(plot))]:
         summary.add_row(k, v)
+    for e in events:
+        summary.add_row(f"step {e.step + 1}", f"{e.kind.replace('_', ' ')}: {e.slice} "
+                        f"({e.reason}); {len(e.live)} slices live")
     console.print(summary)
     console.print(f"done in {time.monotonic() - t0:.1f}s; every process stopped")
-    return DemoResult(fleet_up, losses, text.entropy_rate, tps, train_s, plot)
+    return DemoResult(fleet_up, losses, text.entropy_rate, tps, train_s, plot, tuple(events))
 
 
-def _train(trainer, text, cfg, steps: int, batch: int, console: Console):
+class _Chaos:
+    """Kills a host of ``victim`` a third of the way in; restores it two steps later."""
+
+    def __init__(self, fleet: LocalFleet, victim: str, steps: int, console: Console):
+        self.fleet, self.victim, self.console = fleet, victim, console
+        self.kill_at = max(2, steps // 3)
+        self.restore_at = self.kill_at + 2
+
+    def before_step(self, i: int) -> None:
+        if i == self.kill_at:
+            self.fleet.remove_host(self.victim, 0)
+            self.console.print(f"[red]chaos[/red]: killed host {self.victim}/0 before step "
+                               f"{i + 1}")
+        elif i == self.restore_at:
+            self.fleet.restore_host(self.victim, 0)
+            self.console.print(f"[green]chaos[/green]: host {self.victim}/0 is back (a new VM)"
+                               f" before step {i + 1}")
+
+
+def _train(trainer, text, cfg, steps: int, batch: int, console: Console,
+           chaos: _Chaos | None = None):
     rng = np.random.default_rng(0)
     bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]}"),
@@ -115,7 +151,9 @@ def _train(trainer, text, cfg, steps: int, batch: int, console: Console):
     pending = None
     with bar:
         task = bar.add_task("train", total=steps, loss="-", tps="")
-        for _ in range(steps):
+        for i in range(steps):
+            if chaos is not None:
+                chaos.before_step(i)
             result = trainer.step(text.batch(rng, batch, cfg.seq + 1))
             if pending is not None:  # read the previous step's loss while this one runs
                 losses.append(pending.mean_loss())
@@ -134,7 +172,11 @@ def _train(trainer, text, cfg, steps: int, batch: int, console: Console):
     return losses, t_end - t_start, tps
 
 
-def _plot(losses: list[float], floor: float, path: Path, title: str) -> Path:
+_EVENT_STYLE = {"slice_lost": ("#d62728", "slice lost"), "slice_added": ("#2ca02c", "slice added")}
+
+
+def _plot(losses: list[float], floor: float, path: Path, title: str,
+          events: list = ()) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,6 +186,13 @@ def _plot(losses: list[float], floor: float, path: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot(range(1, len(losses) + 1), losses, label="training loss", color="#1f77b4")
     ax.axhline(floor, ls="--", color="gray", label=f"entropy floor ({floor:.2f} nats)")
+    labelled = set()
+    for e in events:
+        if e.kind in _EVENT_STYLE:
+            color, label = _EVENT_STYLE[e.kind]
+            ax.axvline(e.step + 1, color=color, ls=":", lw=1.5,
+                       label=None if e.kind in labelled else f"{label} ({e.slice})")
+            labelled.add(e.kind)
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats)")
     ax.set_title(f"pathways-ray single controller: {title}")
