@@ -1,6 +1,6 @@
 """Losing a slice mid-run and growing back, inside one controller.
 
-    python benchmarks/elastic_recovery.py [--steps 60] [--kill-at 20] [--chaos 0]
+    python benchmarks/elastic_recovery.py [--steps 60] [--kill-at 20] [--chaos 0] [--freeze]
 
 Three emulated v6e 2x2 slices train the demo LM data parallel
 (``pathways_ray.data_parallel.DataParallelTrainer``). Before step ``--kill-at``
@@ -13,6 +13,10 @@ is restored. Prints, from one run on one fleet:
   replacement was reserved and warmed up (the survivors' stall);
 - steps recomputed, and the largest loss difference from an uninterrupted run;
 - the steady step time before the failure, on N-1 and after growing back.
+
+``--freeze`` freezes the host (SIGSTOP) instead: the failure -> next step time
+then includes the step deadline that detects it ($PATHWAYS_RAY_STEP_TIMEOUT_S,
+10 s by default); at the restore the frozen host is killed and replaced.
 
 ``--chaos K`` then repeats K kill/restore cycles at random steps and counts the
 runs that finished with every step (the chaos loop of the elastic issue; not in CI).
@@ -40,7 +44,8 @@ def _trainer(client, cfg, **kw):
                                param_specs(cfg), mesh_shape=(2, 2), lr=cfg.lr, **kw)
 
 
-def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=None):
+def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=None,
+             freeze: bool = False):
     """One run with a kill and a restore; returns its measurements."""
     events = []
     client = connect()
@@ -52,15 +57,26 @@ def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=Non
         recover_s = None
         for i, batch in enumerate(batches):
             if i == kill_at:
-                fleet.remove_host(victim, 0)
+                t_fail = time.monotonic()
+                if freeze:
+                    fleet.freeze_host(victim, 0)
+                else:
+                    fleet.remove_host(victim, 0)
+                    t_fail = time.monotonic()  # Ray has marked the node dead
             if i == kill_at + restore_after:
+                if freeze:
+                    fleet.freeze_host(victim, 0, frozen=False)
+                    try:
+                        fleet.remove_host(victim, 0)
+                    except Exception:  # noqa: BLE001 - its raylet may have exited on waking
+                        pass
                 fleet.restore_host(victim, 0)
                 t_back = time.monotonic()
             t0 = time.monotonic()
             losses.append(trainer.step(batch).mean_loss())
             step_s.append(time.monotonic() - t0)
             if i == kill_at:
-                recover_s = step_s[-1]
+                recover_s = time.monotonic() - t_fail
             if t_back is not None and back_s is None and len(trainer.live) == 3:
                 back_s = time.monotonic() - t_back
         grow_steps = step_s[kill_at + restore_after:] if t_back else []
@@ -90,6 +106,7 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=20)
     ap.add_argument("--restore-after", type=int, default=10)
     ap.add_argument("--chaos", type=int, default=0, help="extra runs killing at random steps")
+    ap.add_argument("--freeze", action="store_true", help="freeze the host instead of killing")
     args = ap.parse_args()
     cfg = LMConfig(lr=0.2)
     rng, text = np.random.default_rng(0), MarkovText(cfg.vocab)
@@ -102,9 +119,11 @@ def main() -> None:
             expected = np.array([ref.step(b).mean_loss() for b in batches])
         finally:
             client.close()
-        m, _ = run_once(fleet, cfg, batches, args.kill_at, args.restore_after, expected)
+        m, _ = run_once(fleet, cfg, batches, args.kill_at, args.restore_after, expected,
+                        freeze=args.freeze)
         print(f"3 x v6e 2x2, demo LM, global batch {BATCH}, {m['steps']} steps, one host "
-              f"killed before step {args.kill_at}, back {args.restore_after} steps later")
+              f"{'frozen' if args.freeze else 'killed'} before step {args.kill_at}, back "
+              f"{args.restore_after} steps later")
         print(f"  failure -> next step done on 2 slices   {m['recover_s']:7.2f} s")
         if m["back_s"] is None:
             print("  did not grow back within the run (raise --steps)")
@@ -121,7 +140,8 @@ def main() -> None:
         for k in range(args.chaos):
             kill_at = int(pick.integers(3, args.steps - args.restore_after - 5))
             try:
-                r, _ = run_once(fleet, cfg, batches, kill_at, args.restore_after)
+                r, _ = run_once(fleet, cfg, batches, kill_at, args.restore_after,
+                                freeze=args.freeze)
                 ok = r["steps"] == args.steps
             except Exception as e:  # noqa: BLE001 - counted, and shown
                 print(f"  chaos run {k}: killed before step {kill_at}: {type(e).__name__}: {e}")

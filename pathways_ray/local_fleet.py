@@ -285,7 +285,8 @@ class LocalFleet(Fleet):
         return chaos.freeze_host(self, slice_name, worker_id, frozen=frozen)
 
     def restore_host(self, slice_name: str, worker_id: int, timeout_s: float = 60.0) -> str:
-        """Start a fresh raylet for a removed host (a replacement VM). Returns its node id."""
+        """Start a fresh raylet for a removed host (a replacement VM). Returns its node id
+        (empty from a handle that is not connected, e.g. ``LocalFleet.running()``)."""
         plan = self._plan(slice_name, worker_id)
         if _procs.find(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key)):
             raise FleetError(f"host {plan.key} is still running; remove_host() it first")
@@ -296,7 +297,7 @@ class LocalFleet(Fleet):
         self._wait_started([(plan.key, proc)], time.monotonic(), timeout_s=timeout_s)
         if self.connect:
             self._wait_registered(time.monotonic(), timeout_s=timeout_s)
-        return self.node_ids[plan.key]
+        return self.node_ids.get(plan.key, "")
 
     # ---- internals ------------------------------------------------------------------
     def _plan(self, slice_name: str, worker_id: int) -> HostPlan:
