@@ -34,6 +34,7 @@ class HostView:
     alive: bool
     chips: int
     chips_free: int
+    port: int = 0  # its raylet's (node manager's) port
 
     @property
     def chips_used(self) -> int:
@@ -137,6 +138,7 @@ def slices_from_nodes(
             alive=alive,
             chips=chips,
             chips_free=free,
+            port=int(node.get("NodeManagerPort") or 0),
         )
         by_slice.setdefault(name, []).append(host)
         meta.setdefault(name, (host.pod_type, host.topology))
@@ -170,6 +172,30 @@ def describe_capacity(slices: Iterable[SliceView]) -> str:
             f"{s.chips_free}/{s.chips} chips free{extra}"
         )
     return "\n".join(lines) if lines else "no TPU slices (no node has ray.io/tpu-slice-name)"
+
+
+def hosts_answering(hosts: Iterable[HostView], timeout_s: float = 1.0) -> set[str]:
+    """Node ids of the hosts whose raylet accepts a TCP connection now.
+
+    Ray keeps a host whose raylet died "alive" until its health checks fail (seconds
+    here, up to a minute with Ray's defaults); a refused connection tells at once.
+    A frozen host still answers (its kernel accepts): that is for step deadlines."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    hosts = [h for h in hosts if h.alive and h.port]
+
+    def answers(h: HostView) -> bool:
+        try:
+            with socket.create_connection((h.address, h.port), timeout=timeout_s):
+                return True
+        except OSError:
+            return False
+
+    if not hosts:
+        return set()
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        return {h.node_id for h, ok in zip(hosts, pool.map(answers, hosts), strict=True) if ok}
 
 
 def cluster_slices() -> list[SliceView]:

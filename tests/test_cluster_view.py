@@ -75,3 +75,32 @@ def test_no_tpu_nodes():
     """A cluster without TPU hosts says so."""
     assert slices_from_nodes([HEAD]) == []
     assert "no TPU slices" in describe_capacity([])
+
+
+def test_hosts_answering_tells_a_dead_raylet_at_once():
+    """A host whose raylet port refuses connections is not answering, though Ray still
+    lists it alive (its health checks have not failed yet); a dead-marked one is skipped."""
+    import socket
+    import time
+
+    from pathways_ray.cluster import HostView, hosts_answering
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+
+    def host(node_id, port, alive=True):
+        return HostView(node_id, "127.0.0.1", "s0", 0, "v6e-4", "2x2", alive, 4, 4, port)
+
+    try:
+        t0 = time.monotonic()
+        got = hosts_answering([host("up", listening.getsockname()[1]),
+                               host("killed", closed_port),
+                               host("dead", listening.getsockname()[1], alive=False)])
+        assert got == {"up"}
+        assert time.monotonic() - t0 < 1.0  # a refused connection needs no timeout
+    finally:
+        listening.close()
+    nodes = [{**node("a0", "s0", 0), "NodeManagerPort": 4321}]
+    assert slices_from_nodes(nodes)[0].hosts[0].port == 4321

@@ -224,23 +224,6 @@ def test_cli_topology_defaults():
 
 
 @pytest.mark.slow
-def test_main_job_trains_writes_plot_and_cleans_up(tmp_path):
-    """`pathways-ray demo` in small: the loss falls, the PNG is written, nothing is left."""
-    from rich.console import Console
-
-    from pathways_ray.demo import run_demo
-
-    before = ray_processes()
-    console = Console(record=True, width=120)
-    result = run_demo(steps=4, batch=16, out_dir=tmp_path, console=console)
-    text = console.export_text()
-    assert len(result.losses) == 4 and result.losses[-1] < result.losses[0]
-    assert result.plot.exists() and result.plot.stat().st_size > 10_000
-    assert "controller holds" in text and "ranks 0-3: 4 ok" in text and "summary" in text
-    assert leftovers(before) == []
-
-
-@pytest.mark.slow
 def test_cli_chaos_against_a_running_fleet():
     """`pathways-ray chaos` on a fleet left running by `up`: a bad host is named with the
     hosts there are; kill-host takes a host down for real (`status` shows it dead) and
@@ -296,10 +279,11 @@ def test_cli_chaos_against_a_running_fleet():
 
 
 @pytest.mark.slow
-def test_demo_with_chaos_trains_through_a_lost_host(tmp_path):
-    """`pathways-ray demo --chaos` in small: a host of the last slice is killed a third
-    of the way in; every step still yields a loss and the loss falls, the events are in
-    the summary and on the plot, and nothing is left."""
+def test_main_job_trains_through_a_lost_host_and_cleans_up(tmp_path):
+    """`pathways-ray demo --chaos` in small (the main job, plus a failure): a host of the
+    last slice is killed a third of the way in; every step still yields a loss and the
+    loss falls, the status table and summary are printed, the events are in the summary
+    and on the plot, and nothing is left."""
     from rich.console import Console
 
     from pathways_ray.demo import run_demo
@@ -315,5 +299,6 @@ def test_demo_with_chaos_trains_through_a_lost_host(tmp_path):
     assert len(result.losses) == 9 and result.losses[-1] < result.losses[0]
     assert f"chaos: killed host {victim}/0 before step 4" in text
     assert f"slice lost: {victim}" in text
+    assert "controller holds" in text and "ranks 0-3: 4 ok" in text and "summary" in text
     assert result.plot.exists() and result.plot.stat().st_size > 10_000
     assert leftovers(before) == []

@@ -315,3 +315,149 @@ def test_fsdp2_example_under_ray_job_submit_checkpoints(fleet, tmp_path):
         before = lm_loss(TinyLM(), batch).item()
         after = lm_loss(ex.load_model(str(path)), batch).item()
     assert after < before - 1.0, (before, after)
+
+
+def _kill_when(fleet, marker: Path, at: int, slice_name: str, done: Path, killed: dict):
+    """A thread that kills ``slice_name``'s host once the loop's marker reaches ``at``."""
+    import threading
+    import time
+
+    def run():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if int(marker.read_text() or 0) >= at:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        else:
+            return
+        fleet.remove_host(slice_name, 0)
+        killed["t"] = time.time()
+        done.write_text("killed")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _sc_elastic_loop(config: dict) -> None:
+    """Single controller, elastic as the ScalingConfig says; waits at step 3 until the
+    test has killed a host, so the loss lands mid-run."""
+    import time
+
+    from pathways_ray.data_parallel import DataParallelTrainer
+    from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
+    from pathways_ray.trainers import get_client, get_elastic
+
+    with open(config["starts"], "a") as f:
+        f.write("start\n")
+    client = get_client()
+    cfg = LMConfig(lr=0.2)
+    events = []
+    trainer = DataParallelTrainer(client, lambda p, b: loss_fn(p, b, cfg), init_params(cfg),
+                                  param_specs(cfg), mesh_shape=(2, 2), lr=cfg.lr,
+                                  on_elastic_event=events.append, **get_elastic())
+    text, rng = MarkovText(cfg.vocab), np.random.default_rng(0)
+    started_on = len(trainer.live)
+    losses = []
+    for i in range(8):
+        if i == 3:
+            deadline = time.monotonic() + 120
+            while not Path(config["killed"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        losses.append(trainer.step(text.batch(rng, 16, cfg.seq + 1)).mean_loss())
+        Path(config["marker"]).write_text(str(i + 1))
+    ray.train.report({"losses": losses, "events": [e.kind for e in events],
+                      "lost": [e.slice for e in events if e.kind == "slice_lost"],
+                      "started_on": started_on, "live": len(trainer.live)})
+
+
+def test_single_controller_loop_survives_a_lost_slice_without_a_restart(fleet, tmp_path):
+    """JaxTrainer(mode="single_controller", num_workers=(4, 8)): the loop's client takes
+    both free 2x2 slices; a host of one is killed at step 3; the loop carries on on one
+    slice (one step recomputed, the loss keeps falling) and Ray Train never restarts it."""
+    victim = [n for n in fleet.slice_names() if n.startswith("v6e-2x2")][-1]
+    marker, killed, starts = tmp_path / "step", tmp_path / "killed", tmp_path / "starts"
+    info: dict = {}
+    thread = _kill_when(fleet, marker, 3, victim, killed, info)
+    try:
+        scaling = ScalingConfig(use_tpu=True, accelerator_type="TPU-V6E", topology="2x2",
+                                num_workers=(4, 8), resources_per_worker={"TPU": 1})
+        result = JaxTrainer(_sc_elastic_loop, mode="single_controller",
+                            train_loop_config={"marker": str(marker), "killed": str(killed),
+                                               "starts": str(starts)},
+                            scaling_config=scaling,
+                            run_config=run_config(tmp_path, "sc-elastic")).fit()
+    finally:
+        thread.join(timeout=60)
+        if "t" in info:
+            fleet.restore_host(victim, 0)
+    m = result.metrics
+    assert m["started_on"] == 2 and m["live"] == 1, m
+    assert m["events"][:2] == ["slice_lost", "step_retried"] and m["lost"] == [victim], m
+    assert len(m["losses"]) == 8 and m["losses"][-1] < m["losses"][0]
+    assert starts.read_text().count("start") == 1, "Ray Train restarted the loop"
+
+
+def _shrink_loop(config: dict) -> None:
+    """Multi-controller elastic: reports the world size each step with a checkpoint;
+    rank 0 notes when each attempt starts. Ends after 3 steps on 4 workers."""
+    import json
+    import tempfile
+    import time
+
+    ctx = ray.train.get_context()
+    worlds: list[int] = []
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            worlds = json.loads(Path(d, "worlds.json").read_text())
+    if ctx.get_world_rank() == 0:
+        with open(config["starts"], "a") as f:
+            f.write(json.dumps({"t": time.time(), "world": ctx.get_world_size()}) + "\n")
+    for _ in range(120):
+        time.sleep(0.5)
+        worlds.append(ctx.get_world_size())
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "worlds.json").write_text(json.dumps(worlds))
+            ray.train.report({"worlds": worlds}, checkpoint=ray.train.Checkpoint.from_directory(d)
+                             if ctx.get_world_rank() == 0 else None)
+        if ctx.get_world_rank() == 0:
+            Path(config["marker"]).write_text(str(len(worlds)))
+        if worlds.count(4) >= 3 and ctx.get_world_size() == 4:
+            return
+
+
+def test_ray_train_shrinks_without_sitting_out_the_start_timeout(fleet, tmp_path):
+    """Ray Train elastic (num_workers=(4, 8)) on both 2x2 slices; one host is killed. The
+    restart on the surviving slice does not wait for the dead one: its raylet no longer
+    answers, so the policy counts one slice and reserves it by name, not Ray's 60 s
+    worker-group start timeout on a slice it cannot have."""
+    import json
+
+    victim = [n for n in fleet.slice_names() if n.startswith("v6e-2x2")][-1]
+    marker, starts = tmp_path / "step", tmp_path / "starts"
+    info: dict = {}
+    thread = _kill_when(fleet, marker, 3, victim, tmp_path / "killed", info)
+    try:
+        scaling = ScalingConfig(use_tpu=True, accelerator_type="TPU-V6E", topology="2x2",
+                                num_workers=(4, 8), resources_per_worker={"TPU": 1})
+        from pathways_ray.trainers import FailureConfig
+
+        cfg = RunConfig(name="shrink", storage_path=str(tmp_path / "runs"),
+                        failure_config=FailureConfig(max_failures=2))
+        result = TorchTrainer(_shrink_loop, scaling_config=scaling, run_config=cfg,
+                              train_loop_config={"marker": str(marker),
+                                                 "starts": str(starts)}).fit()
+    finally:
+        thread.join(timeout=60)
+        if "t" in info:
+            fleet.restore_host(victim, 0)
+    worlds = result.metrics["worlds"]
+    assert worlds[0] == 8 and worlds[-1] == 4, worlds
+    attempts = [json.loads(x) for x in starts.read_text().splitlines()]
+    assert [a["world"] for a in attempts] == [8, 4], attempts
+    restart_s = attempts[1]["t"] - info["t"]
+    assert restart_s < 45, f"restart took {restart_s:.0f} s: it sat out the 60 s start timeout"

@@ -20,7 +20,7 @@ from ray.train import (
 )
 
 from pathways_ray.trainers.config import ScalingConfig
-from pathways_ray.trainers.jax import JaxTrainer, TpuJaxConfig, get_client
+from pathways_ray.trainers.jax import JaxTrainer, TpuJaxConfig, get_client, get_elastic
 from pathways_ray.trainers.scaling import TpuPlan, plan_tpu
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "TpuPlan",
     "get_checkpoint",
     "get_client",
+    "get_elastic",
     "get_context",
     "plan_tpu",
     "report",

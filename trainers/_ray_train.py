@@ -95,9 +95,13 @@ def reserve_slices(plan: TpuPlan, num_slices: int, resources_per_worker: dict,
 
     topo = plan.topology
     heads, selectors = [], []
+    # Free slices whose hosts answer are reserved by name: left to Ray, the head could
+    # land on a slice whose host just died and that Ray still counts alive.
+    free = usable_slices(plan)
     try:
-        for _ in range(num_slices):
-            reserved = reserve_tpu_slice(topo.name, topo.accelerator_type, timeout_s=timeout_s)
+        for i in range(num_slices):
+            reserved = reserve_tpu_slice(topo.name, topo.accelerator_type, timeout_s=timeout_s,
+                                         slice_name=free[i] if i < len(free) else None)
             if not reserved:
                 raise RuntimeError(f"Ray could not infer the pod type of {topo.describe()}")
             name, head = reserved
@@ -153,13 +157,17 @@ def rank_tpu_workers(workers: list, starting_world_rank: int = 0,
 
 
 def usable_slices(plan: TpuPlan) -> list[str]:
-    """Slices of ``plan``'s shape this run could use now: idle ones and its own."""
-    from pathways_ray.cluster import cluster_slices
+    """Slices of ``plan``'s shape this run could use now: idle ones and its own, whose
+    hosts all answer. A host killed a moment ago stays "alive" in Ray until its health
+    checks fail; counted, it makes the restart after a slice loss ask for a slice it
+    cannot have and sit out the whole worker-group start timeout (60 s)."""
+    from pathways_ray.cluster import cluster_slices, hosts_answering
 
-    views = cluster_slices()
-    return sorted(v.name for v in views
-                  if v.intact and v.topology == plan.topology
-                  and (v.idle or v.name in _held_slices))
+    views = [v for v in cluster_slices()
+             if v.intact and v.topology == plan.topology
+             and (v.idle or v.name in _held_slices)]
+    answering = hosts_answering(h for v in views for h in v.hosts)
+    return sorted(v.name for v in views if all(h.node_id in answering for h in v.hosts))
 
 
 class TpuElasticScalingPolicy(ElasticScalingPolicy):

@@ -10,7 +10,12 @@ worker gets one XLA CPU device per chip it holds and collectives run over gloo.
 that holds a ``pathways_ray`` client: the controller reserves the slices and
 the loop dispatches compiled steps to them (``get_client()`` inside the loop).
 ``ray.train.report`` and checkpoints work as usual. This is the mode that can
-continue on N-1 slices.
+continue on N-1 slices: with ``num_workers=(min, max)`` the loop's client takes
+the slices that are free (at least ``min`` workers' worth, waiting if need
+be), and ``get_elastic()`` gives ``DataParallelTrainer`` the matching
+``min_slices`` and ``grow=True``. A lost slice then costs the loop at most one
+step, with no Ray Train restart; below ``min`` it raises, and Ray Train's
+``FailureConfig`` restarts the loop on a fresh reservation.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from ray.train.v2.jax.config import JaxConfig
 from pathways_ray.chip_worker import detect_platform
 from pathways_ray.trainers._ray_train import TpuControllerMixin, tpu_plan
 
-__all__ = ["JaxTrainer", "TpuJaxConfig", "get_client"]
+__all__ = ["JaxTrainer", "TpuJaxConfig", "get_client", "get_elastic"]
 
 logger = logging.getLogger(__name__)
 
 MODES = ("multi_controller", "single_controller")
 _client = None  # the single-controller loop's client, in the worker that runs the loop
+_elastic: dict | None = None  # and its DataParallelTrainer settings
 
 
 def get_client():
@@ -42,6 +48,17 @@ def get_client():
         raise RuntimeError("get_client() works inside the train loop of "
                            "JaxTrainer(..., mode='single_controller') only")
     return _client
+
+
+def get_elastic() -> dict:
+    """``DataParallelTrainer`` keyword arguments that make a ``mode="single_controller"``
+    loop as elastic as its ``ScalingConfig``: ``min_slices`` from
+    ``num_workers=(min, max)`` (a fixed ``num_workers`` keeps every slice it started
+    with), and ``grow=True`` to take back lost slices as capacity returns."""
+    if _elastic is None:
+        raise RuntimeError("get_elastic() works inside the train loop of "
+                           "JaxTrainer(..., mode='single_controller') only")
+    return dict(_elastic)
 
 
 @dataclass
@@ -163,17 +180,24 @@ class _SingleControllerLoop:
         self.__name__ = getattr(user_fn, "__name__", "train_loop")
 
     def __call__(self, config: dict):
-        global _client
+        global _client, _elastic
         from pathways_ray.client import connect
 
-        _client = connect([self.plan.topology] * self.plan.num_slices,
-                          reserve_timeout_s=self.reserve_timeout_s)
+        plan, count = self.plan, self.plan.num_slices
+        if plan.min_slices < plan.num_slices:  # elastic: the free slices, at least min
+            from pathways_ray.trainers._ray_train import usable_slices
+
+            count = max(plan.min_slices, min(count, len(usable_slices(plan))))
+        _client = connect([plan.topology] * count, reserve_timeout_s=self.reserve_timeout_s)
+        _elastic = {"min_slices": plan.min_slices, "grow": True}
+        logger.info("single controller on %d of %d-%d x %s", count, plan.min_slices,
+                    plan.num_slices, plan.topology.describe())
         try:
             if len(inspect.signature(self.user_fn).parameters) > 0:
                 return self.user_fn(config)
             return self.user_fn()
         finally:
-            client, _client = _client, None
+            client, _client, _elastic = _client, None, None
             client.close()
 
 
