@@ -58,8 +58,12 @@ def tpu_plan(scaling_config) -> TpuPlan | None:
 
 
 # Slices the worker group of this process (the Ray Train controller) holds right now;
-# the elastic policy in the same process counts them as usable.
+# the elastic policy in the same process counts them as usable. Slices it let go of
+# when its worker group was torn down count too, until the next reservation: Ray shows
+# their chips busy for a moment after the release, and a restart decided in that moment
+# would start on fewer slices than there are.
 _held_slices: set[str] = set()
+_released_slices: set[str] = set()
 
 
 class _SlicesHandle(SlicePlacementGroupHandle):
@@ -84,6 +88,7 @@ class _SlicesHandle(SlicePlacementGroupHandle):
                     logger.debug("slice head reservation already removed", exc_info=True)
             self._head_pgs = []
             _held_slices.difference_update(self._slice_names)
+            _released_slices.update(self._slice_names)
 
 
 def reserve_slices(plan: TpuPlan, num_slices: int, resources_per_worker: dict,
@@ -123,6 +128,7 @@ def reserve_slices(plan: TpuPlan, num_slices: int, resources_per_worker: dict,
             remove_placement_group(pg)
         raise
     names = sorted({s[SLICE_LABEL] for s in selectors})
+    _released_slices.clear()
     logger.info("reserved %d x %s: slices %s", num_slices, topo.describe(), names)
     return _SlicesHandle(spg, heads, names)
 
@@ -165,7 +171,7 @@ def usable_slices(plan: TpuPlan) -> list[str]:
 
     views = [v for v in cluster_slices()
              if v.intact and v.topology == plan.topology
-             and (v.idle or v.name in _held_slices)]
+             and (v.idle or v.name in _held_slices or v.name in _released_slices)]
     answering = hosts_answering(h for v in views for h in v.hosts)
     return sorted(v.name for v in views if all(h.node_id in answering for h in v.hosts))
 
