@@ -91,6 +91,7 @@ class Controller:
         self._monitor: HealthMonitor | None = None
         self._shapes: dict = {}  # slice -> Topology, of every slice ever held
         self._regrower = Regrower(self._reserve_replacement, self._add_replacement)
+        self._replacement_pgs: list = []  # placement groups the regrower made
 
     def start(self) -> list[dict]:
         """Reserve the slices, start their workers, open the command streams; returns
@@ -273,7 +274,7 @@ class Controller:
     def _reserve_replacement(self, topo) -> tuple[Slice, list[CommandChannel]]:
         _, reserve_timeout_s, cache_dir, _ = self._args
         s = Slice.reserve(topo, timeout_s=reserve_timeout_s, compilation_cache_dir=cache_dir,
-                          worker_cls=self.worker_cls)
+                          worker_cls=self.worker_cls, track=self._replacement_pgs)
         try:
             return s, self._open_streams(s)
         except BaseException:
@@ -376,7 +377,15 @@ class Controller:
 
     def shutdown(self) -> None:
         self._closed = True
-        self._regrower.stop()
+        # A replacement being reserved must be released here: placement groups outlive
+        # the actor that made them (they belong to the job), and the client kills this
+        # actor once shutdown returns. Seen: a slice held until the driver exited.
+        if not self._regrower.stop(wait_s=timeout_s("shutdown") / 2):
+            for spg in self._replacement_pgs:
+                try:
+                    spg.shutdown()
+                except Exception:  # noqa: BLE001 - released already
+                    pass
         if getattr(self, "_monitor", None) is not None:
             self._monitor.stop()
         with self._lock:

@@ -189,5 +189,11 @@ class Regrower:
                 if self._wanted and self._wanted[0] == topo:
                     self._wanted.pop(0)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> bool:
+        """Stop; with ``wait_s``, wait that long for a reservation in flight to be
+        released. Returns whether the thread is done."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and wait_s > 0:
+            thread.join(wait_s)
+        return thread is None or not thread.is_alive()

@@ -77,6 +77,7 @@ class Slice:
         compilation_cache_dir: str | None = None,
         join_world: bool = True,
         worker_cls: type | None = None,
+        track: list | None = None,
     ) -> Slice:
         """Reserve one whole slice of ``topology`` and start a worker on every chip.
 
@@ -122,6 +123,8 @@ class Slice:
             raise cls._timeout(topo, timeout_s, t0) from e
         except RuntimeError as e:
             raise ReservationTimeout(f"{e}\nThe cluster has:\n{_capacity()}") from e
+        if track is not None:  # the caller may have to release it before we return
+            track.append(spg)
         pg = spg.slice_placement_group
         remaining = max(0.1, timeout_s - (time.monotonic() - t0))
         try:

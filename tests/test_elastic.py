@@ -180,3 +180,35 @@ def test_below_min_slices_ends_the_run_with_a_clear_error(fleet):
     finally:
         client.close()
         fleet.restore_host(victim, 0)
+
+
+def test_closing_while_a_replacement_is_reserved_releases_it(fleet):
+    """close() while the controller is reserving a replacement slice (its host just came
+    back) leaves every slice free: placement groups outlive the controller actor that
+    made them, so an in-flight reservation must be released before it is killed."""
+    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.errors import SliceLost
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    client = connect()
+    victim = client.slices[2].name
+    try:
+        x = client.device_put(np.ones((4, 4), np.float32),
+                              NamedSharding(client.mesh((4,), ("chips",)), P()), slice=victim)
+        fleet.remove_host(victim, 0)
+        with pytest.raises(SliceLost):
+            x.fetch()
+        client.request_slices(1)
+        fleet.restore_host(victim, 0)
+        deadline = time.monotonic() + 60
+        while all(v.idle for v in cluster_slices() if v.name == victim):
+            assert time.monotonic() < deadline, "the controller never began the reservation"
+            time.sleep(0.1)
+    finally:
+        client.close()
+    deadline = time.monotonic() + 30
+    while not all(v.idle for v in cluster_slices()):
+        assert time.monotonic() < deadline, [(v.name, v.state) for v in cluster_slices()]
+        time.sleep(0.5)
