@@ -53,13 +53,13 @@ def _trainer(client, cfg, **kw):
 def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=None,
              freeze: bool = False):
     """One run with a kill and a restore; returns its measurements."""
-    events = []
+    events, victim, losses = [], None, []
     client = connect()
     try:
         trainer = _trainer(client, cfg, min_slices=2, grow=True, grow_check_s=0.5,
                            on_elastic_event=events.append)
         victim = trainer.live[1]
-        step_s, losses, t_back, back_s = [], [], None, None
+        step_s, t_back, back_s = [], None, None
         recover_s = None
         for i, batch in enumerate(batches):
             if i == kill_at:
@@ -104,6 +104,23 @@ def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=Non
         return out, losses
     finally:
         client.close()
+        if victim is not None and kill_at <= len(losses) <= kill_at + restore_after:
+            try:  # the run ended before the host came back: bring it back for the next
+                fleet.restore_host(victim, 0)
+            except Exception:  # noqa: BLE001 - it may never have been killed
+                pass
+
+
+def wait_all_free(n: int, timeout_s: float = 120) -> None:
+    """Until ``n`` slices are free again (a run's slices are released after it)."""
+    from pathways_ray.cluster import cluster_slices
+
+    deadline = time.monotonic() + timeout_s
+    while sum(v.idle for v in cluster_slices()) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {n} free slices after {timeout_s} s: "
+                               f"{[(v.name, v.state) for v in cluster_slices()]}")
+        time.sleep(0.5)
 
 
 def _ray_train_loop(config: dict) -> None:
@@ -269,6 +286,7 @@ def main() -> None:
         for k in range(args.chaos):
             kill_at = int(pick.integers(3, args.steps - args.restore_after - 5))
             try:
+                wait_all_free(3)
                 r, _ = run_once(fleet, cfg, batches, kill_at, args.restore_after,
                                 freeze=args.freeze)
                 ok = r["steps"] == args.steps
