@@ -186,11 +186,11 @@ def test_closing_while_a_replacement_is_reserved_releases_it(fleet):
     """close() while the controller is reserving a replacement slice (its host just came
     back) leaves every slice free: placement groups outlive the controller actor that
     made them, so an in-flight reservation must be released before it is killed."""
-    from pathways_ray.cluster import cluster_slices
-    from pathways_ray.errors import SliceLost
-
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.errors import SliceLost
 
     client = connect()
     victim = client.slices[2].name

@@ -180,27 +180,33 @@ def test_failure_config_retries_on_a_fresh_reservation(fleet, tmp_path):
 
 
 def _elastic_loop(config: dict) -> None:
-    """Report the world size each step; the checkpoint carries the history across resizes."""
+    """Report the world size each step; the checkpoint carries the history across resizes.
+    Rank 0 writes the steps done so far to ``marker`` and, with ``starts``, notes when each
+    attempt starts and on how many workers. Ends after 3 steps on ``until`` workers."""
     import json
     import tempfile
     import time
 
     ctx = ray.train.get_context()
+    until = config.get("until", 8)
     worlds: list[int] = []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
             worlds = json.loads(Path(d, "worlds.json").read_text())
-    if ctx.get_world_rank() == 0:
-        Path(config["marker"]).write_text(str(ctx.get_world_size()))
-    for _ in range(60):
+    if ctx.get_world_rank() == 0 and config.get("starts"):
+        with open(config["starts"], "a") as f:
+            f.write(json.dumps({"t": time.time(), "world": ctx.get_world_size()}) + "\n")
+    for _ in range(120):
         time.sleep(0.5)
         worlds.append(ctx.get_world_size())
         with tempfile.TemporaryDirectory() as d:
             Path(d, "worlds.json").write_text(json.dumps(worlds))
             ray.train.report({"worlds": worlds}, checkpoint=ray.train.Checkpoint.from_directory(d)
                              if ctx.get_world_rank() == 0 else None)
-        if worlds.count(8) >= 3:
+        if ctx.get_world_rank() == 0:
+            Path(config["marker"]).write_text(str(len(worlds)))
+        if worlds.count(until) >= 3 and ctx.get_world_size() == until:
             return
 
 
@@ -401,35 +407,6 @@ def test_single_controller_loop_survives_a_lost_slice_without_a_restart(fleet, t
     assert starts.read_text().count("start") == 1, "Ray Train restarted the loop"
 
 
-def _shrink_loop(config: dict) -> None:
-    """Multi-controller elastic: reports the world size each step with a checkpoint;
-    rank 0 notes when each attempt starts. Ends after 3 steps on 4 workers."""
-    import json
-    import tempfile
-    import time
-
-    ctx = ray.train.get_context()
-    worlds: list[int] = []
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            worlds = json.loads(Path(d, "worlds.json").read_text())
-    if ctx.get_world_rank() == 0:
-        with open(config["starts"], "a") as f:
-            f.write(json.dumps({"t": time.time(), "world": ctx.get_world_size()}) + "\n")
-    for _ in range(120):
-        time.sleep(0.5)
-        worlds.append(ctx.get_world_size())
-        with tempfile.TemporaryDirectory() as d:
-            Path(d, "worlds.json").write_text(json.dumps(worlds))
-            ray.train.report({"worlds": worlds}, checkpoint=ray.train.Checkpoint.from_directory(d)
-                             if ctx.get_world_rank() == 0 else None)
-        if ctx.get_world_rank() == 0:
-            Path(config["marker"]).write_text(str(len(worlds)))
-        if worlds.count(4) >= 3 and ctx.get_world_size() == 4:
-            return
-
-
 def test_ray_train_shrinks_without_sitting_out_the_start_timeout(fleet, tmp_path):
     """Ray Train elastic (num_workers=(4, 8)) on both 2x2 slices; one host is killed. The
     restart on the surviving slice does not wait for the dead one: its raylet no longer
@@ -448,8 +425,8 @@ def test_ray_train_shrinks_without_sitting_out_the_start_timeout(fleet, tmp_path
 
         cfg = RunConfig(name="shrink", storage_path=str(tmp_path / "runs"),
                         failure_config=FailureConfig(max_failures=2))
-        result = TorchTrainer(_shrink_loop, scaling_config=scaling, run_config=cfg,
-                              train_loop_config={"marker": str(marker),
+        result = TorchTrainer(_elastic_loop, scaling_config=scaling, run_config=cfg,
+                              train_loop_config={"marker": str(marker), "until": 4,
                                                  "starts": str(starts)}).fit()
     finally:
         thread.join(timeout=60)
