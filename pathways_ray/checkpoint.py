@@ -103,12 +103,12 @@ def restore(client, path: str | os.PathLike, shardings, *, slice: str | int | No
         leaves = [shardings] * len(keys)
     else:
         keys, leaves, treedef = _paths(shardings, is_leaf=lambda s: hasattr(s, "spec"))
-        missing = [k for k in keys if k not in by_key]
-        if missing or len(keys) != len(saved_keys):
-            raise ValueError(f"shardings name arrays {['/'.join(k) for k in missing] or keys}"
-                             f" that differ from the checkpoint's "
-                             f"{['/'.join(k) for k in saved_keys]} at {where!r}; give one "
-                             f"sharding per saved array, or one NamedSharding for all")
+        if sorted(keys) != sorted(saved_keys):
+            ours, theirs = ({"/".join(k) for k in ks} for ks in (keys, saved_keys))
+            raise ValueError(f"shardings do not match the arrays of the checkpoint at "
+                             f"{where!r}: not in it {sorted(ours - theirs)}, missing "
+                             f"{sorted(theirs - ours)}; give one sharding per saved array, "
+                             f"or one NamedSharding for all")
     target = client.slice(slice)
     client._check(target.name)
     meshes, outs, specs = set(), [], []

@@ -100,3 +100,20 @@ def test_restore_names_a_missing_checkpoint(tmp_path):
         checkpoint.restore(None, tmp_path / "nowhere", None)
     with pytest.raises(TypeError, match="pytree of RemoteArrays"):
         checkpoint.save(tmp_path / "x", {"w": np.zeros(3)})
+
+
+def test_restore_names_arrays_that_do_not_match(tmp_path):
+    """Shardings for other arrays than the checkpoint holds are named, both ways, before
+    anything is sent to a slice."""
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pathways_ray import checkpoint
+
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "c", {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)})
+    sh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("chips",)), P())
+    with pytest.raises(ValueError, match=r"not in it \['v'\], missing \['b', 'w'\]"):
+        checkpoint.restore(None, tmp_path / "c", {"v": sh})
