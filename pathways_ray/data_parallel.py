@@ -173,7 +173,7 @@ class DataParallelTrainer:
             new[s], losses[s] = self._apply(self.params[s], total)
         return new, losses
 
-    def _drop(self, e: SliceLost) -> None:
+    def _drop(self, e: SliceLost, retried: str = "step") -> None:
         lost = e.slice
         if lost not in self.live:
             raise e  # not one of ours: nothing to recover by dropping it
@@ -182,7 +182,8 @@ class DataParallelTrainer:
         self.failures += 1
         self._event("slice_lost", lost, e.reason)
         check_failure(self.live, [lost], self.min_slices, self.failures, self.max_failures)
-        self._event("step_retried", lost, f"step {self.steps_done} again on {self.live}")
+        what = f"step {self.steps_done}" if retried == "step" else "the save"
+        self._event(f"{retried}_retried", lost, f"{what} again on {self.live}")
 
     def _event(self, kind: str, slice_name: str, reason: str = "") -> None:
         ev = ElasticEvent(kind, self.steps_done, slice_name, tuple(self.live), reason)
@@ -249,7 +250,7 @@ class DataParallelTrainer:
                 return checkpoint.save(path, {"params": self.params[src], "step": step},
                                        timeout_s=timeout_s)
             except SliceLost as e:
-                self._drop(e)
+                self._drop(e, retried="save")
 
     def restore(self, path, *, timeout_s: float | None = None) -> int:
         """Load parameters and step count from a checkpoint written by ``save`` (by this

@@ -25,8 +25,9 @@ class NotEnoughSlices(PathwaysError):
 class ElasticEvent:
     """Something the elastic trainer did; passed to ``on_elastic_event`` and logged.
 
-    ``kind`` is ``"slice_lost"``, ``"step_retried"``, ``"slice_joining"`` (a new slice
-    is reserved and warming up) or ``"slice_added"``.
+    ``kind`` is ``"slice_lost"``, ``"step_retried"``, ``"save_retried"`` (a checkpoint
+    written by another slice), ``"slice_joining"`` (a new slice is reserved and
+    warming up) or ``"slice_added"``.
     """
 
     kind: str

@@ -87,6 +87,7 @@ def test_checkpoint_resumes_on_a_fresh_fleet_with_the_same_losses(tmp_path):
         fleet.remove_host(writer, 0)
         trainer.save(tmp_path / "step_8")
         assert trainer.live == [survivor]
+        assert [e.kind for e in trainer.events] == ["slice_lost", "save_retried"]
     again = _read_plain(tmp_path / "step_8")
     assert int(again["step"]) == STEPS
     _assert_same(again["params"], final)
