@@ -27,7 +27,12 @@ and the ratio to the single controller's.
 
 ``--chaos K`` then repeats K kill/restore cycles at random steps and counts the
 runs that finished with every step (the chaos loop of the elastic issue; not in CI).
-Not measured: host-memory snapshot overhead (snapshots are not built).
+
+Snapshot overhead: the same training with host-memory snapshots off, every step
+and every ``DEFAULT_SNAPSHOT_EVERY`` steps, in alternating blocks of
+``--overhead-steps`` steps on the same fleet; prints each mean step time and its
+overhead over "off" (the mean, not the median: a snapshot every 10 steps costs
+one step in ten).
 """
 
 from __future__ import annotations
@@ -87,10 +92,16 @@ def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=Non
                 back_s = time.monotonic() - t_back
         grow_steps = step_s[kill_at + restore_after:] if t_back else []
         kinds = [e.kind for e in events]
+        at = {e.kind: e.at for e in events}  # wall clock: the last event of each kind
+        wall_back = time.time() - (time.monotonic() - t_back) if t_back else None
         out = {
             "recover_s": recover_s,
             "back_s": back_s,
             "stall_s": max(grow_steps) if grow_steps else None,
+            # host back -> replacement reserved, its workers up in a JAX world; -> warm
+            "reserved_s": at["slice_joining"] - wall_back if "slice_joining" in at else None,
+            "warm_s": (at["slice_added"] - at["slice_joining"]
+                       if {"slice_joining", "slice_added"} <= at.keys() else None),
             "recomputed": kinds.count("step_retried"),
             "before_s": statistics.median(step_s[2:kill_at]),
             "degraded_s": statistics.median(step_s[kill_at + 1:kill_at + restore_after]),
@@ -109,6 +120,36 @@ def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=Non
                 fleet.restore_host(victim, 0)
             except Exception:  # noqa: BLE001 - it may never have been killed
                 pass
+
+
+def snapshot_overhead(cfg, batches, steps: int, rounds: int = 3) -> dict:
+    """Mean step time with snapshots off, every step and at the default interval."""
+    from pathways_ray.elastic_policy import DEFAULT_SNAPSHOT_EVERY
+
+    modes = {"off": None, "every step": 1, f"every {DEFAULT_SNAPSHOT_EVERY}":
+             DEFAULT_SNAPSHOT_EVERY}
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    with connect() as client:
+        trainers = {k: _trainer(client, cfg, snapshot_every=v) for k, v in modes.items()}
+        for t in trainers.values():  # compiled and warm
+            for b in batches[:3]:
+                t.step(b).mean_loss()
+        for _ in range(rounds):
+            for k, t in trainers.items():
+                for b in batches[:steps]:
+                    t0 = time.monotonic()
+                    t.step(b).mean_loss()
+                    times[k].append(time.monotonic() - t0)
+                if t._snapshot is not None:  # the last copy is part of this mode's cost
+                    t0 = time.monotonic()
+                    t._snapshot.wait()
+                    times[k][-1] += time.monotonic() - t0
+        from pathways_ray import snapshot
+
+        kept = snapshot.latest_step(client)
+    mean = {k: statistics.mean(v) for k, v in times.items()}
+    return {"mean_s": mean, "kept_step": kept,
+            "overhead": {k: mean[k] / mean["off"] - 1 for k in modes if k != "off"}}
 
 
 def wait_all_free(n: int, timeout_s: float = 120) -> None:
@@ -239,9 +280,14 @@ def main() -> None:
     ap.add_argument("--restore-after", type=int, default=10)
     ap.add_argument("--chaos", type=int, default=0, help="extra runs killing at random steps")
     ap.add_argument("--freeze", action="store_true", help="freeze the host instead of killing")
+    ap.add_argument("--overhead-steps", type=int, default=20,
+                    help="steps per block of the snapshot overhead measurement (0: skip)")
     ap.add_argument("--ray-train", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure Ray Train's restart from checkpoint (default on)")
     args = ap.parse_args()
+    from pathways_ray.cli import handle_sigterm_as_interrupt
+
+    handle_sigterm_as_interrupt()  # a killed benchmark stops its fleet
     cfg = LMConfig(lr=0.2)
     rng, text = np.random.default_rng(0), MarkovText(cfg.vocab)
     batches = [text.batch(rng, BATCH, cfg.seq + 1) for _ in range(args.steps)]
@@ -263,12 +309,22 @@ def main() -> None:
             print("  did not grow back within the run (raise --steps)")
         else:
             print(f"  host back -> training on 3 slices      {m['back_s']:7.2f} s")
+            print(f"    of which: reserved, 4 workers up    {m['reserved_s']:7.2f} s; "
+                  f"programs loaded and warm {m['warm_s']:.2f} s")
             print(f"  longest step while growing back        {m['stall_s']:7.2f} s "
                   f"(steady step {m['before_s']:.3f} s)")
         print(f"  steps recomputed                       {m['recomputed']:7d}")
         print(f"  losses vs uninterrupted run            {m['max_rel_diff']:.1e} max rel diff")
         print(f"  step time: 3 slices {m['before_s']:.3f} s, 2 slices {m['degraded_s']:.3f} s, "
               f"grown back {m['after_s']:.3f} s")
+        if args.overhead_steps:
+            wait_all_free(3)
+            o = snapshot_overhead(cfg, batches, args.overhead_steps)
+            print(f"Host-memory snapshots (3 slices, mean of {3 * args.overhead_steps} steps "
+                  f"each, alternating blocks):")
+            for k, v in o["mean_s"].items():
+                extra = f"  overhead {100 * o['overhead'][k]:+5.1f}%" if k in o["overhead"] else ""
+                print(f"  {k:<12} {v:.3f} s/step{extra}")
         if args.ray_train:
             rt = ray_train_recovery(fleet, batches[:args.kill_at + 6], args.kill_at,
                                     "v6e-2x2-1")

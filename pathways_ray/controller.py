@@ -229,6 +229,13 @@ class Controller:
         workers, sent = p.workers, self._sent(p)
         return [workers[r].handle.shard.remote(buffer_id, sent[r]) for r in ranks]
 
+    def snapshot_refs(self, where: str, plan: dict[int, list[int]]) -> dict:
+        """Per rank, the object ref of its shards of the buffers ``plan`` names (one
+        call per chip; the snapshot keeper pulls them, not us)."""
+        p = self._place(where)
+        workers, sent = p.workers, self._sent(p)
+        return {r: workers[r].handle.shards.remote(ids, sent[r]) for r, ids in plan.items()}
+
     def ready(self, where: str, buffer_ids: list[int]) -> list:
         p = self._place(where)
         return [w.handle.ready.remote(buffer_ids, n)
@@ -376,11 +383,15 @@ class Controller:
                 raise self._lose(name, str(e)) from None
 
     def shutdown(self) -> None:
+        """Release every slice within ``$PATHWAYS_RAY_SHUTDOWN_TIMEOUT_S`` in all (the
+        client waits that long, then kills this actor; a slice not released by then
+        would stay held until the driver exits)."""
         self._closed = True
+        budget = timeout_s("shutdown")
         # A replacement being reserved must be released here: placement groups outlive
         # the actor that made them (they belong to the job), and the client kills this
         # actor once shutdown returns. Seen: a slice held until the driver exited.
-        if not self._regrower.stop(wait_s=timeout_s("shutdown") / 2):
+        if not self._regrower.stop(wait_s=budget / 3):
             for spg in self._replacement_pgs:
                 try:
                     spg.shutdown()
@@ -393,12 +404,17 @@ class Controller:
                 for ch in channels:
                     ch.close()
             self._channels.clear()
-        if getattr(self, "multislice", False) and self.slices:
-            # One world: every member leaves it together, or the others wait for it.
-            boundary.settle([w.handle.shutdown_world.remote() for s in self.slices.values()
-                             for w in s.workers], "shutdown")
-        for s in self.slices.values():
-            s.shutdown()
+        # Every world is left together first (killing a coordinator's rank while others
+        # poll it makes them abort), all slices at once and bounded: a slice still
+        # compiling a warm-up answers late. Seen: three slices waited on one by one
+        # outlasted the client's wait, and a replacement stayed held.
+        slices = list(self.slices.values())
+        late = boundary.settle([w.handle.shutdown_world.remote() for s in slices
+                                for w in s.workers], budget / 3)
+        if late:
+            logger.info("%d chip workers did not leave their JAX world in time", late)
+        for s in slices:
+            s.shutdown(lost=True)  # kill the workers and release: the worlds are left
         self.slices.clear()
 
     def _place(self, name: str) -> Placement:
