@@ -232,6 +232,11 @@ class ChipWorker:
         self._after(after)
         return self.executor.local_shard(buffer_id)
 
+    def shards(self, buffer_ids: list[int], after: int = 0) -> list[np.ndarray]:
+        """This chip's shards of several buffers, in one object (a snapshot's share)."""
+        self._after(after)
+        return [self.executor.local_shard(i) for i in buffer_ids]
+
     @ray.method(num_returns=2)
     def checked_shard(self, buffer_id: int, after: int = 0) -> tuple[bool, np.ndarray]:
         """``(True, shard)`` as two objects: a caller can wait for the small first one

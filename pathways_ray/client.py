@@ -55,6 +55,7 @@ class Client:
         self._ids = itertools.count(1)
         self._registered: set[str] = set()
         self._closed = False
+        self._keeper = None  # the host-memory snapshot keeper, started on first use
         self._queue = Dispatcher(controller, [s.name for s in self.slices],
                                  max_batch=max_batch, flush_interval_s=flush_interval_s,
                                  died=_controller_died)
@@ -304,6 +305,8 @@ class Client:
             logger.info("closing the client: %s", e)
         finally:
             ray.kill(self._controller)
+            if self._keeper is not None:
+                ray.kill(self._keeper)
 
     def __enter__(self) -> Client:
         return self

@@ -30,9 +30,13 @@ import numpy as np
 
 from pathways_ray.client import Client, RemoteArray
 from pathways_ray.elastic_policy import (
+    DEFAULT_SNAPSHOT_EVERY,
     ElasticEvent,
+    NotEnoughSlices,
     assign_microbatches,
     check_failure,
+    recovery_source,
+    snapshot_due,
     want_more,
 )
 from pathways_ray.errors import SliceLost
@@ -67,13 +71,22 @@ class DataParallelTrainer:
     ``on_elastic_event(event)`` sees every loss, retry and added slice.
     ``grow=True`` reserves replacements in the background (the controller looks for
     free capacity) and adds each at a step boundary once it has compiled.
+
+    ``snapshot_every`` (default 10 steps; None: off) copies the parameters into host
+    memory off the slices (``pathways_ray.snapshot``) in the background, from each
+    slice in turn. ``wait_for_slices_s`` (default 0: raise at once): below
+    ``min_slices``, wait this long for replacements instead of raising. A new slice
+    takes the parameters from a survivor; when none is left, from the latest
+    snapshot, and the steps since it run again from the batches the trainer kept.
     """
 
     def __init__(self, client: Client, loss_fn: Callable, params: dict, param_specs: dict,
                  *, mesh_shape: tuple[int, int], lr: float, slices: list[str] | None = None,
                  min_slices: int = 1, max_failures: int | None = None,
                  on_elastic_event: Callable[[ElasticEvent], None] | None = None,
-                 grow: bool = False, grow_check_s: float = 1.0):
+                 grow: bool = False, grow_check_s: float = 1.0,
+                 snapshot_every: int | None = DEFAULT_SNAPSHOT_EVERY,
+                 wait_for_slices_s: float = 0.0):
         import jax
         from jax.flatten_util import ravel_pytree
         from jax.sharding import NamedSharding
@@ -92,6 +105,11 @@ class DataParallelTrainer:
         self._joining: dict[str, tuple[dict, RemoteArray]] = {}  # slice -> (params, warm-up)
         self._next_grow_check = 0.0
         self._asked = False  # replacements requested and not all arrived
+        snapshot_due(0, snapshot_every)  # checks the setting
+        self.snapshot_every, self.wait_for_slices_s = snapshot_every, wait_for_slices_s
+        self._snapshot = None  # the snapshot on its way to host memory
+        self._snapshot_step: int | None = None  # the latest complete one
+        self._history: list[tuple[int, np.ndarray]] = []  # batches since that snapshot
         self.mesh = client.mesh(mesh_shape, ("data", "model"))
         self.param_shardings = jax.tree.map(lambda p: NamedSharding(self.mesh, p), param_specs,
                                             is_leaf=lambda x: isinstance(x, P))
@@ -132,7 +150,12 @@ class DataParallelTrainer:
                              f"micro-batches (one per starting slice)")
         if self.grow:
             self._grow_at_boundary()
-        parts = np.split(batch, m)
+        result = self._run_step(batch)
+        self._maybe_snapshot(batch)
+        return result
+
+    def _run_step(self, batch: np.ndarray) -> StepResult:
+        parts = np.split(batch, self.num_microbatches)
         self._batch_shape, self._batch_dtype = parts[0].shape, parts[0].dtype
         while True:
             try:
@@ -171,6 +194,8 @@ class DataParallelTrainer:
             for v in here[s][1:]:
                 total = self._add(total, v)
             new[s], losses[s] = self._apply(self.params[s], total)
+        if not copies:  # one slice: nothing above waited for the step, so a loss would
+            self.client.block_until_ready(list(losses.values()))  # surface after it
         return new, losses
 
     def _drop(self, e: SliceLost, retried: str = "step") -> None:
@@ -181,9 +206,106 @@ class DataParallelTrainer:
         self.params.pop(lost, None)
         self.failures += 1
         self._event("slice_lost", lost, e.reason)
-        check_failure(self.live, [lost], self.min_slices, self.failures, self.max_failures)
+        waiting = self.wait_for_slices_s > 0 and len(self.live) < self.min_slices
+        check_failure(self.live, [lost], 0 if waiting else self.min_slices, self.failures,
+                      self.max_failures)
+        if waiting:
+            self._refill(lost)
         what = f"step {self.steps_done}" if retried == "step" else "the save"
         self._event(f"{retried}_retried", lost, f"{what} again on {self.live}")
+
+    # ---- host-memory snapshots ---------------------------------------------------------
+    def _maybe_snapshot(self, batch: np.ndarray) -> None:
+        """After a step: note a snapshot that completed, start the next one when due
+        (one at a time, from each live slice in turn) and keep the batches since the
+        latest complete one (what a restore from it runs again)."""
+        if not self.snapshot_every:
+            return
+        from pathways_ray import snapshot
+
+        self._history.append((self.steps_done - 1, batch))
+        if self._snapshot is not None and self._snapshot.done():
+            if self._snapshot.wait(timeout_s=5.0):
+                self._snapshot_step = self._snapshot.step
+                self._history = [(i, b) for i, b in self._history if i >= self._snapshot_step]
+            self._snapshot = None
+        if self._snapshot is None and snapshot_due(self.steps_done, self.snapshot_every):
+            src = self.live[self.steps_done // self.snapshot_every % len(self.live)]
+            try:
+                self._snapshot = snapshot.take(self.params[src], self.steps_done)
+            except SliceLost as e:  # the next step finds it lost and drops it
+                logger.info("elastic: no snapshot at step %d: %s", self.steps_done, e)
+
+    def _refill(self, lost: str) -> None:
+        """Below min_slices: wait up to ``wait_for_slices_s`` for replacements and give
+        each the parameters, from a survivor or else from the latest snapshot (then the
+        steps since it run again)."""
+        from pathways_ray import snapshot
+
+        if self._snapshot is not None and not self.live:  # it may complete yet
+            try:
+                self._snapshot.wait(timeout_s=10.0)
+            except Exception:  # noqa: BLE001 - a snapshot cut short by the loss
+                pass
+            self._snapshot = None
+        source, rerun = recovery_source(self.live, snapshot.latest_step(self.client),
+                                        self.steps_done, self.snapshot_every)
+        self._event("waiting_for_slices", lost,
+                    f"{len(self.live)} left, below min_slices={self.min_slices}; waiting up "
+                    f"to {self.wait_for_slices_s:g} s (wait_for_slices_s) for replacements")
+        deadline = time.monotonic() + self.wait_for_slices_s
+        candidates = list(self._joining)
+        self._joining.clear()
+        rewound_to = None
+        while len(self.live) < self.min_slices:
+            if candidates:
+                name = candidates.pop(0)
+                if self.live:
+                    src = self.live[0]
+                    self.params[name] = jax_map(
+                        lambda v, sh, to=name: self.client.reshard(v, sh, slice=to),
+                        self.params[src], self.param_shardings)
+                    why = f"parameters copied from {src}"
+                else:
+                    try:
+                        rewound_to, self.params[name] = snapshot.restore(
+                            self.client, self.param_shardings, slice=name)
+                    except SliceLost:
+                        continue
+                    why = f"parameters of step {rewound_to} from the host-memory snapshot"
+                self.live.append(name)
+                self._event("slice_added", name, why)
+                continue
+            if time.monotonic() > deadline:
+                raise NotEnoughSlices(
+                    f"lost slice {lost}: {len(self.live)} left ({self.live}), below "
+                    f"min_slices={self.min_slices}, and no replacement came within "
+                    f"wait_for_slices_s={self.wait_for_slices_s:g} s; add capacity or lower "
+                    f"min_slices")
+            self.client.request_slices(self.target - len(self.live))
+            self._asked = True
+            candidates = self.client.refresh_slices()
+            if not candidates:
+                time.sleep(0.5)
+        if source == "snapshot" and rewound_to is not None:
+            self._rerun_from(rewound_to, lost, rerun)
+
+    def _rerun_from(self, step: int, lost: str, rerun: int) -> None:
+        """Every live slice holds the snapshot's parameters of ``step``: bring them back
+        to ``steps_done`` by running the kept batches again."""
+        for s in self.live:
+            if s not in self.params:  # a slice added after the first took the snapshot
+                self.params[s] = jax_map(
+                    lambda v, sh, to=s: self.client.reshard(v, sh, slice=to),
+                    self.params[self.live[0]], self.param_shardings)
+        target, self.steps_done = self.steps_done, step
+        self._event("snapshot_restored", lost, f"from step {step}; running the {rerun} "
+                    f"step(s) since then again")
+        for batch in [b for i, b in self._history if step <= i < target]:
+            self._run_step(batch)
+        if self.steps_done != target:
+            raise RuntimeError(f"ran again to step {self.steps_done}, expected {target}: the "
+                               f"batches since the snapshot of step {step} were not all kept")
 
     def _event(self, kind: str, slice_name: str, reason: str = "") -> None:
         ev = ElasticEvent(kind, self.steps_done, slice_name, tuple(self.live), reason)
@@ -197,8 +319,6 @@ class DataParallelTrainer:
     def _grow_at_boundary(self) -> None:
         """Between steps: ask for replacements, warm up new slices in the background,
         and add the ones whose warm-up finished (a copy of the current parameters)."""
-        import jax
-
         now = time.monotonic()
         if now >= self._next_grow_check:
             self._next_grow_check = now + self.grow_check_s
@@ -217,7 +337,7 @@ class DataParallelTrainer:
                 continue
             del self._joining[name]
             src = self.live[0]
-            self.params[name] = jax.tree.map(
+            self.params[name] = jax_map(
                 lambda v, sh, to=name: self.client.reshard(v, sh, slice=to), self.params[src],
                 self.param_shardings)
             self.live.append(name)
@@ -270,3 +390,9 @@ class DataParallelTrainer:
         import jax
 
         return jax.tree.map(lambda a: a.fetch(), self.params[slice_name or self.live[0]])
+
+
+def jax_map(fn, *trees):
+    import jax
+
+    return jax.tree.map(fn, *trees)

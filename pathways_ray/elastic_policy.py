@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathways_ray.errors import PathwaysError
 
 __all__ = ["ElasticEvent", "NotEnoughSlices", "assign_microbatches", "check_failure",
-           "want_more"]
+           "recovery_source", "snapshot_due", "want_more"]
+
+#: Steps between host-memory snapshots unless the run says otherwise.
+DEFAULT_SNAPSHOT_EVERY = 10
 
 
 class NotEnoughSlices(PathwaysError):
@@ -27,7 +30,9 @@ class ElasticEvent:
 
     ``kind`` is ``"slice_lost"``, ``"step_retried"``, ``"save_retried"`` (a checkpoint
     written by another slice), ``"slice_joining"`` (a new slice is reserved and
-    warming up) or ``"slice_added"``.
+    warming up), ``"slice_added"``, ``"waiting_for_slices"`` (below ``min_slices``,
+    waiting for capacity) or ``"snapshot_restored"`` (no replica was left: the
+    state came back from host memory and the steps since were run again).
     """
 
     kind: str
@@ -67,3 +72,26 @@ def want_more(live: int, target: int, joining: int) -> int:
     """How many more slices to reserve now: back up to ``target``, counting those
     already on their way."""
     return max(0, target - live - joining)
+
+
+def snapshot_due(steps_done: int, every: int | None) -> bool:
+    """Whether to snapshot after ``steps_done`` steps (every ``every`` steps; None or 0:
+    never)."""
+    if every is not None and every < 0:
+        raise ValueError(f"snapshot_every={every} must be a step count (0 or None: off)")
+    return bool(every) and steps_done > 0 and steps_done % every == 0
+
+
+def recovery_source(survivors: list[str], snapshot_step: int | None, steps_done: int,
+                    snapshot_every: int | None) -> tuple[str, int]:
+    """Where the state of a slice that joins after a loss comes from: ``("replica",
+    0)`` from a survivor, else ``("snapshot", steps to run again)``. Raises
+    ``NotEnoughSlices`` when neither exists."""
+    if survivors:
+        return "replica", 0
+    if snapshot_step is None:
+        how = ("no snapshot had completed yet" if snapshot_every
+               else "snapshots are off (snapshot_every=None)")
+        raise NotEnoughSlices(f"every slice holding the parameters is lost and {how}; set "
+                              f"snapshot_every, or restart from a checkpoint")
+    return "snapshot", steps_done - snapshot_step

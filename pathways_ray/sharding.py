@@ -116,3 +116,29 @@ def transfer_plan(shape: Sequence[int], src_mesh: MeshShape, src_spec: Spec,
                      for a, b in zip(index, src_index[r], strict=True))]
              for index in shard_slices(shape, dst_mesh, dst_spec)]
     return src_index, sources, needs
+
+
+def spread_shards(arrays: Sequence[tuple[Sequence[int], int, MeshShape, Spec]],
+                  ) -> dict[int, list[tuple[int, tuple[slice, ...]]]]:
+    """Which chip sends which block when every block of several arrays is to be copied
+    off a slice once (a host-memory snapshot).
+
+    ``arrays`` are ``(shape, itemsize, mesh, spec)``. Returns, per rank, the
+    ``(array position, block)`` pairs it sends. Every distinct block goes once, from
+    the holder with the fewest bytes so far, so replicated arrays are spread over
+    the chips instead of all coming from rank 0.
+    """
+    load: dict[int, int] = {}
+    out: dict[int, list[tuple[int, tuple[slice, ...]]]] = {}
+    for pos, (shape, itemsize, mesh, spec) in enumerate(arrays):
+        index = shard_slices(shape, mesh, spec)
+        holders: dict[tuple, list[int]] = {}
+        for rank, idx in enumerate(index):
+            holders.setdefault(tuple((s.start, s.stop) for s in idx), []).append(rank)
+        for ranks in holders.values():
+            rank = min(ranks, key=lambda r: (load.get(r, 0), r))
+            block = index[rank]
+            nbytes = itemsize * prod(s.stop - s.start for s in block)
+            load[rank] = load.get(rank, 0) + nbytes
+            out.setdefault(rank, []).append((pos, block))
+    return out

@@ -212,3 +212,90 @@ def test_closing_while_a_replacement_is_reserved_releases_it(fleet):
     while not all(v.idle for v in cluster_slices()):
         assert time.monotonic() < deadline, [(v.name, v.state) for v in cluster_slices()]
         time.sleep(0.5)
+
+
+@pytest.mark.timeout(600)
+def test_losing_every_replica_resumes_from_the_host_memory_snapshot(fleet):
+    """A run on one slice snapshots every 3 steps; its host is killed before step 5, so
+    no replica is left. With wait_for_slices_s the trainer waits for a replacement
+    (the fleet's free slice), restores the snapshot of step 3 onto it from host memory,
+    runs steps 3 and 4 again from the batches it kept and goes on: no exception, and
+    the losses of an uninterrupted one-slice run on another slice (rtol 1e-6)."""
+    from pathways_ray import snapshot
+
+    batches = _batches(CFG, 8)
+    client = connect(slices=["v6e-2x2", "v6e-2x2"])  # the third slice stays free
+    victim, other = (s.name for s in client.slices)
+    try:
+        ref = _trainer(client, slices=[other], snapshot_every=None)
+        want = [ref.step(b).mean_loss() for b in batches]
+        events = []
+        trainer = _trainer(client, slices=[victim], snapshot_every=3, wait_for_slices_s=120,
+                           on_elastic_event=events.append)
+        got = []
+        for i, b in enumerate(batches):
+            if i == 5:
+                deadline = time.monotonic() + 60
+                while snapshot.latest_step(client) != 3:
+                    assert time.monotonic() < deadline, "the snapshot of step 3 never completed"
+                    time.sleep(0.1)
+                fleet.remove_host(victim, 0)
+            got.append(trainer.step(b).mean_loss())
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        kinds = [e.kind for e in events]
+        assert kinds[:2] == ["slice_lost", "waiting_for_slices"], kinds
+        assert "snapshot_restored" in kinds and kinds[-1] == "step_retried", kinds
+        restored = next(e for e in events if e.kind == "snapshot_restored")
+        assert restored.step == 3 and "running the 2 step(s)" in restored.reason
+        assert len(trainer.live) == 1 and trainer.live[0] not in (victim, other)
+        assert trainer.steps_done == 8
+    finally:
+        client.close()
+        fleet.restore_host(victim, 0)
+
+
+def test_no_replica_and_no_snapshot_ends_the_run_with_a_clear_error(fleet):
+    """With snapshots off, losing the only replica cannot be recovered by waiting: the
+    error says so and names the setting, at once."""
+    batches = _batches(CFG, 2)
+    client = connect(slices=["v6e-2x2"])
+    victim = client.slices[0].name
+    try:
+        trainer = _trainer(client, snapshot_every=None, wait_for_slices_s=120)
+        trainer.step(batches[0]).mean_loss()
+        fleet.remove_host(victim, 0)
+        t0 = time.monotonic()
+        with pytest.raises(NotEnoughSlices, match=r"snapshot_every=None"):
+            trainer.step(batches[1])
+        assert time.monotonic() - t0 < 30
+    finally:
+        client.close()
+        fleet.restore_host(victim, 0)
+
+
+def test_closing_with_a_frozen_slice_releases_the_others_in_time(fleet):
+    """close() while one slice's host is frozen (its workers never answer the request
+    to leave their JAX world) still releases every other slice, within the client's
+    wait. Seen in the chaos loop: slices left one by one, 30 s each, outlasted it and a
+    slice stayed held until the driver exited."""
+    from pathways_ray.cluster import cluster_slices
+
+    client = connect()
+    victim = client.slices[0].name
+    fleet.freeze_host(victim, 0)
+    try:
+        t0 = time.monotonic()
+        client.close()
+        took = time.monotonic() - t0
+        deadline = time.monotonic() + 30
+        while not all(v.idle for v in cluster_slices() if v.name != victim):
+            assert time.monotonic() < deadline, [(v.name, v.state) for v in cluster_slices()]
+            time.sleep(0.5)
+    finally:
+        fleet.freeze_host(victim, 0, frozen=False)
+        try:
+            fleet.remove_host(victim, 0)
+        except Exception:  # noqa: BLE001 - its raylet may have exited by itself on waking
+            pass
+        fleet.restore_host(victim, 0)
+    assert took < 25, f"close() took {took:.1f} s"
