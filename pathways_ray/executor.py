@@ -15,6 +15,8 @@ over through ``pieces(buffer_id)``, which waits for them to arrive and returns
 
 from __future__ import annotations
 
+import logging
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ import numpy as np
 from pathways_ray.commands import Command, Free, Load, Put, Reshard, Restore, Run, Save
 from pathways_ray.errors import PathwaysError, RemoteError
 from pathways_ray.sharding import MeshShape, Spec, shard_slices
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Executor", "Failed", "RemoteError", "assemble"]
 
@@ -79,6 +83,9 @@ class Executor:
         self._meshes: dict[MeshShape, object] = {}
         self.commands_run = 0
         self.batches_run = 0
+        # program -> seconds of its first call: tracing, lowering and compiling (or a
+        # persistent compilation cache load); the run itself is asynchronous
+        self.first_call_s: dict[str, float] = {}
 
     # ---- helpers -------------------------------------------------------------
     def mesh(self, shape: MeshShape, start: int = 0):
@@ -198,7 +205,14 @@ class Executor:
             raise KeyError(f"program {cmd.fingerprint} was never loaded on this chip")
         import jax
 
-        outs = jax.tree.leaves(program(*args))
+        if cmd.fingerprint in self.first_call_s:
+            outs = jax.tree.leaves(program(*args))
+        else:
+            t0 = time.monotonic()
+            outs = jax.tree.leaves(program(*args))
+            self.first_call_s[cmd.fingerprint] = took = time.monotonic() - t0
+            logger.info("program %s: first call (trace, lower, compile or cache load) %.2f s",
+                        cmd.fingerprint[:12], took)
         for out_id, value in zip(cmd.outputs, outs, strict=True):
             self.buffers[out_id] = value
 
