@@ -47,13 +47,10 @@ def _paths(tree, is_leaf=None) -> tuple[list[tuple[str, ...]], list, Any]:
     return [tuple(_key(k) for k in path) for path, _ in flat], [v for _, v in flat], treedef
 
 
-def save(path: str | os.PathLike, tree, *, timeout_s: float | None = None) -> int:
-    """Write ``tree`` (a pytree of ``RemoteArray``s, all on one slice) as an Orbax
-    checkpoint at ``path`` (a new directory). Returns the bytes of the arrays saved,
-    once the checkpoint is committed on every chip (up to ``timeout_s``, default
-    ``$PATHWAYS_RAY_FETCH_TIMEOUT_S``). Raises ``SliceLost`` if the slice is lost
-    first; nothing is then committed at ``path``."""
-    where, local = _local(path)
+def one_slice_arrays(tree, what: str) -> tuple[list[tuple[str, ...]], list[RemoteArray], str]:
+    """The pytree paths, ``RemoteArray`` leaves and slice of ``tree``, which must be a
+    non-empty pytree of ``RemoteArray``s on one slice (``what``: "a checkpoint is
+    written", for the error)."""
     keys, arrays, _ = _paths(tree)
     if not arrays or not all(isinstance(a, RemoteArray) for a in arrays):
         kinds = sorted({type(a).__name__ for a in arrays})
@@ -61,17 +58,28 @@ def save(path: str | os.PathLike, tree, *, timeout_s: float | None = None) -> in
                         f"type {kinds}; put host arrays on a slice first (client.device_put)")
     slices = sorted({a.slice for a in arrays})
     if len(slices) > 1:
-        raise ValueError(f"tree holds arrays of slices {slices}; a checkpoint is written "
-                         f"by one slice: reshard the arrays onto one of them first")
+        raise ValueError(f"tree holds arrays of slices {slices}; {what} by one slice: "
+                         f"reshard the arrays onto one of them first")
+    return keys, arrays, slices[0]
+
+
+def save(path: str | os.PathLike, tree, *, timeout_s: float | None = None) -> int:
+    """Write ``tree`` (a pytree of ``RemoteArray``s, all on one slice) as an Orbax
+    checkpoint at ``path`` (a new directory). Returns the bytes of the arrays saved,
+    once the checkpoint is committed on every chip (up to ``timeout_s``, default
+    ``$PATHWAYS_RAY_FETCH_TIMEOUT_S``). Raises ``SliceLost`` if the slice is lost
+    first; nothing is then committed at ``path``."""
+    where, local = _local(path)
+    keys, arrays, source = one_slice_arrays(tree, "a checkpoint is written")
     if local and os.path.exists(where):
         raise ValueError(f"path={os.fspath(path)!r} exists; a checkpoint goes to a new "
                          f"directory (one per step, e.g. {os.path.join(where, 'step_100')!r})")
     client = arrays[0]._client
-    client._check(slices[0])
+    client._check(source)
     mesh: MeshShape = arrays[0].mesh
-    status = RemoteArray(client, next(client._ids), slices[0], (), "int32", mesh, ())
-    client._queue.enqueue(slices[0], Save(where, tuple(keys), tuple(a._id for a in arrays),
-                                          status._id, mesh))
+    status = RemoteArray(client, next(client._ids), source, (), "int32", mesh, ())
+    client._queue.enqueue(source, Save(where, tuple(keys), tuple(a._id for a in arrays),
+                                       status._id, mesh))
     written = int(client._fetch(status, timeout_s))
     if written != len(arrays):
         raise RuntimeError(f"the chips wrote {written} of {len(arrays)} arrays to {where!r}")

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from pathways_ray.arrays import RemoteArray
 from pathways_ray.sharding import spread_shards
 
 __all__ = ["Snapshot", "SnapshotKeeper", "restore", "take"]
@@ -124,18 +123,10 @@ class Snapshot:
 def take(tree, step: int) -> Snapshot:
     """Start copying ``tree`` (a pytree of ``RemoteArray``s on one slice) into the
     keeper's host memory as the snapshot of ``step``; returns at once."""
-    from pathways_ray.checkpoint import _paths
+    from pathways_ray.checkpoint import one_slice_arrays
 
-    keys, arrays, _ = _paths(tree)
-    if not arrays or not all(isinstance(a, RemoteArray) for a in arrays):
-        kinds = sorted({type(a).__name__ for a in arrays})
-        raise TypeError(f"tree must be a non-empty pytree of RemoteArrays, got leaves of "
-                        f"type {kinds}")
-    slices = sorted({a.slice for a in arrays})
-    if len(slices) > 1:
-        raise ValueError(f"tree holds arrays of slices {slices}; a snapshot is taken from "
-                         f"one slice: reshard the arrays onto one of them first")
-    client, where = arrays[0]._client, slices[0]
+    keys, arrays, where = one_slice_arrays(tree, "a snapshot is taken")
+    client = arrays[0]._client
     parts = spread_shards([(a.shape, a.dtype.itemsize, a.mesh, a.spec) for a in arrays])
     plan = {r: [arrays[pos]._id for pos, _ in blocks] for r, blocks in parts.items()}
     client._sync(where)
