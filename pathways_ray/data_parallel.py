@@ -108,8 +108,7 @@ class DataParallelTrainer:
         snapshot_due(0, snapshot_every)  # checks the setting
         self.snapshot_every, self.wait_for_slices_s = snapshot_every, wait_for_slices_s
         self._snapshot = None  # the snapshot on its way to host memory
-        self._snapshot_step: int | None = None  # the latest complete one
-        self._history: list[tuple[int, np.ndarray]] = []  # batches since that snapshot
+        self._history: list[tuple[int, np.ndarray]] = []  # batches since the latest one
         self.mesh = client.mesh(mesh_shape, ("data", "model"))
         self.param_shardings = jax.tree.map(lambda p: NamedSharding(self.mesh, p), param_specs,
                                             is_leaf=lambda x: isinstance(x, P))
@@ -226,8 +225,8 @@ class DataParallelTrainer:
         self._history.append((self.steps_done - 1, batch))
         if self._snapshot is not None and self._snapshot.done():
             if self._snapshot.wait(timeout_s=5.0):
-                self._snapshot_step = self._snapshot.step
-                self._history = [(i, b) for i, b in self._history if i >= self._snapshot_step]
+                kept = self._snapshot.step
+                self._history = [(i, b) for i, b in self._history if i >= kept]
             self._snapshot = None
         if self._snapshot is None and snapshot_due(self.steps_done, self.snapshot_every):
             src = self.live[self.steps_done // self.snapshot_every % len(self.live)]
@@ -248,8 +247,8 @@ class DataParallelTrainer:
             except Exception:  # noqa: BLE001 - a snapshot cut short by the loss
                 pass
             self._snapshot = None
-        source, rerun = recovery_source(self.live, snapshot.latest_step(self.client),
-                                        self.steps_done, self.snapshot_every)
+        recovery_source(self.live, snapshot.latest_step(self.client), self.steps_done,
+                        self.snapshot_every)  # raises if neither a replica nor a snapshot
         self._event("waiting_for_slices", lost,
                     f"{len(self.live)} left, below min_slices={self.min_slices}; waiting up "
                     f"to {self.wait_for_slices_s:g} s (wait_for_slices_s) for replacements")
@@ -261,11 +260,7 @@ class DataParallelTrainer:
             if candidates:
                 name = candidates.pop(0)
                 if self.live:
-                    src = self.live[0]
-                    self.params[name] = jax_map(
-                        lambda v, sh, to=name: self.client.reshard(v, sh, slice=to),
-                        self.params[src], self.param_shardings)
-                    why = f"parameters copied from {src}"
+                    why = self._copy_params(to=name)
                 else:
                     try:
                         rewound_to, self.params[name] = snapshot.restore(
@@ -287,20 +282,26 @@ class DataParallelTrainer:
             candidates = self.client.refresh_slices()
             if not candidates:
                 time.sleep(0.5)
-        if source == "snapshot" and rewound_to is not None:
-            self._rerun_from(rewound_to, lost, rerun)
+        if rewound_to is not None:
+            self._rerun_from(rewound_to, lost)
 
-    def _rerun_from(self, step: int, lost: str, rerun: int) -> None:
-        """Every live slice holds the snapshot's parameters of ``step``: bring them back
-        to ``steps_done`` by running the kept batches again."""
-        for s in self.live:
-            if s not in self.params:  # a slice added after the first took the snapshot
-                self.params[s] = jax_map(
-                    lambda v, sh, to=s: self.client.reshard(v, sh, slice=to),
-                    self.params[self.live[0]], self.param_shardings)
+    def _copy_params(self, to: str) -> str:
+        """Give slice ``to`` a copy of the first live slice's parameters (worker to
+        worker); returns what happened, for the event."""
+        import jax
+
+        src = self.live[0]
+        self.params[to] = jax.tree.map(lambda v, sh: self.client.reshard(v, sh, slice=to),
+                                       self.params[src], self.param_shardings)
+        return f"parameters copied from {src}"
+
+    def _rerun_from(self, step: int, lost: str) -> None:
+        """Every live slice holds the snapshot's parameters of ``step`` (the first took
+        them from the snapshot, the others from it): bring them back to ``steps_done``
+        by running the kept batches again."""
         target, self.steps_done = self.steps_done, step
-        self._event("snapshot_restored", lost, f"from step {step}; running the {rerun} "
-                    f"step(s) since then again")
+        self._event("snapshot_restored", lost, f"from step {step}; running the "
+                    f"{target - step} step(s) since then again")
         for batch in [b for i, b in self._history if step <= i < target]:
             self._run_step(batch)
         if self.steps_done != target:
@@ -336,12 +337,9 @@ class DataParallelTrainer:
                 self._joining.pop(name)
                 continue
             del self._joining[name]
-            src = self.live[0]
-            self.params[name] = jax_map(
-                lambda v, sh, to=name: self.client.reshard(v, sh, slice=to), self.params[src],
-                self.param_shardings)
+            why = self._copy_params(to=name)
             self.live.append(name)
-            self._event("slice_added", name, f"parameters copied from {src}")
+            self._event("slice_added", name, why)
 
     def _warm_up(self, name: str) -> None:
         """Load and compile this trainer's programs on a new slice, off the step path:
@@ -390,9 +388,3 @@ class DataParallelTrainer:
         import jax
 
         return jax.tree.map(lambda a: a.fetch(), self.params[slice_name or self.live[0]])
-
-
-def jax_map(fn, *trees):
-    import jax
-
-    return jax.tree.map(fn, *trees)
