@@ -56,6 +56,7 @@ class Client:
         self._registered: set[str] = set()
         self._closed = False
         self._keeper = None  # the host-memory snapshot keeper, started on first use
+        self._ready_polls: dict[tuple[str, int], list] = {}  # is_ready's open queries
         self._queue = Dispatcher(controller, [s.name for s in self.slices],
                                  max_batch=max_batch, flush_interval_s=flush_interval_s,
                                  died=_controller_died)
@@ -231,9 +232,18 @@ class Client:
             self._ready(name, ids, timeout_s)
 
     def _is_ready(self, slice_name: str, buffer_id: int) -> bool:
-        self._sync(slice_name)
-        refs = self._call("ready", slice_name, [buffer_id], where=slice_name)
+        """Poll one buffer without waiting. The first poll sends the query; later polls
+        look at that same query's answers, so a buffer that is done reads as done (a
+        fresh query per poll, looked at after 0 s, would read "running" every time)."""
+        key = (slice_name, buffer_id)
+        refs = self._ready_polls.get(key)
+        if refs is None:
+            self._sync(slice_name)
+            refs = self._ready_polls[key] = self._call("ready", slice_name, [buffer_id],
+                                                       where=slice_name)
         running, failed = boundary.failed_now(refs)
+        if failed or not running:
+            del self._ready_polls[key]
         if failed:
             self._worker_results(slice_name, [failed[0][0]], 1.0, f"buffer {buffer_id}")
         return not running

@@ -7,6 +7,7 @@ process on 8 fake CPU devices (conftest sets XLA_FLAGS).
 from __future__ import annotations
 
 import gc
+import time
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,28 @@ def test_failing_program_returns_remote_traceback_and_slice_lives(client, mesh):
     with pytest.raises(RemoteError):
         later.block_until_ready()
     np.testing.assert_array_equal(client.jit(lambda v: v * 3)(a).fetch(), 3 * np.ones(8))
+
+
+def test_is_ready_polls_turn_true_and_raise_a_failure(client, mesh):
+    """``is_ready`` never waits, and a computed buffer reads as ready within a few polls
+    (the warm-up of a joining slice is polled this way between steps); a failed one
+    raises its remote error."""
+    a = client.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("data")),
+                          slice=0)
+    done = client.jit(lambda v: v + 1)(a)
+    done.block_until_ready()
+    polls = 0
+    while not done.is_ready():
+        polls += 1
+        assert polls < 50, "a computed buffer read as running 50 polls in a row"
+        time.sleep(0.1)
+    huge = client.jit(lambda v: v + jnp.arange(1 << 36, dtype=jnp.float32).reshape(-1, 8, 8)
+                      .sum(0))
+    failed = huge(a)
+    with pytest.raises(RemoteError, match="RESOURCE_EXHAUSTED"):
+        for _ in range(50):
+            failed.is_ready()
+            time.sleep(0.1)
 
 
 def test_mpmd_two_programs_on_two_slices(client, mesh):
