@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from pathways_ray.config import CACHE_ENV
 from pathways_ray.topology import Topology
 
 from .schema import validate
@@ -101,6 +102,11 @@ class ClusterConfig:
     worker_memory: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     service_account: str | None = None
+    # Where chip workers keep compiled programs between runs, shared by every host and
+    # every job of the team: "gs://bucket/path" (the image needs pathways-ray[gcs], the
+    # service account the bucket), or "pvc:<claim>" (a ReadWriteMany volume, mounted at
+    # /xla-cache). None: each chip worker's local default, lost with its pod.
+    compilation_cache: str | None = None
 
     def __post_init__(self) -> None:
         _check_name("name", self.name, _DNS_1035, "DNS-1035 label", 63)
@@ -124,6 +130,14 @@ class ClusterConfig:
             _check_quantity(name, getattr(self, name))
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
             raise ValueError(f"env={self.env!r} must map strings to strings")
+        cache = self.compilation_cache
+        if cache is not None and not (
+            isinstance(cache, str) and (re.match(r"^gs://[a-z0-9][a-z0-9._-]{1,221}(/.*)?$", cache)
+                                        or (cache.startswith("pvc:")
+                                            and _DNS_1123.match(cache[4:])))):
+            raise ValueError(f"compilation_cache={cache!r} must be a bucket path "
+                             f"('gs://my-bucket/xla-cache') or a ReadWriteMany volume claim "
+                             f"('pvc:xla-cache')")
         self.tpu  # noqa: B018 - parse now so a bad accelerator/topology fails here
 
     @property
@@ -164,9 +178,23 @@ def _shm() -> tuple[dict, dict]:
     return volume, mount
 
 
+CACHE_MOUNT = "/xla-cache"
+
+
 def _env(cfg: ClusterConfig, extra: dict[str, str] | None = None) -> list[dict]:
     merged = {**cfg.env, **(extra or {})}
+    if cfg.compilation_cache:
+        path = cfg.compilation_cache
+        merged.setdefault(CACHE_ENV, CACHE_MOUNT if path.startswith("pvc:") else path)
     return [{"name": k, "value": v} for k, v in sorted(merged.items())]
+
+
+def _cache_volume(cfg: ClusterConfig, pod: dict, container: dict) -> None:
+    """Mount the team's compilation cache volume, when it is one."""
+    if cfg.compilation_cache and cfg.compilation_cache.startswith("pvc:"):
+        pod["volumes"].append({"name": "xla-cache", "persistentVolumeClaim":
+                               {"claimName": cfg.compilation_cache[4:]}})
+        container["volumeMounts"].append({"name": "xla-cache", "mountPath": CACHE_MOUNT})
 
 
 def _head(cfg: ClusterConfig, serve: bool) -> dict:
@@ -191,6 +219,7 @@ def _head(cfg: ClusterConfig, serve: bool) -> dict:
     if env:
         container["env"] = env
     pod: dict[str, Any] = {"containers": [container], "volumes": [volume]}
+    _cache_volume(cfg, pod, container)
     if cfg.service_account:
         pod["serviceAccountName"] = cfg.service_account
     return {"rayStartParams": {}, "template": {"metadata": {"labels": dict(_LABELS)},
@@ -228,6 +257,7 @@ def _worker_group(cfg: ClusterConfig) -> dict:
             "cloud.google.com/gke-tpu-topology": tpu.name,
         },
     }
+    _cache_volume(cfg, pod, container)
     if cfg.service_account:
         pod["serviceAccountName"] = cfg.service_account
     return {

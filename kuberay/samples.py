@@ -29,7 +29,8 @@ SAMPLES: dict[str, Callable[[], dict]] = {
         ClusterConfig(name="pathways-v6e-8", accelerator="v6e", topology="2x4", image=IMAGE)
     ),
     "ray-cluster.v6e-4x4-multi-host.yaml": lambda: ray_cluster(
-        ClusterConfig(name="pathways-v6e-16", accelerator="v6e", topology="4x4", image=IMAGE)
+        ClusterConfig(name="pathways-v6e-16", accelerator="v6e", topology="4x4", image=IMAGE,
+                      compilation_cache="pvc:xla-cache")
     ),
     "ray-cluster.v5p-2x2x2-multi-slice.yaml": lambda: ray_cluster(
         ClusterConfig(name="pathways-v5p-16x2", accelerator="v5p", topology="2x2x2",
@@ -41,7 +42,9 @@ SAMPLES: dict[str, Callable[[], dict]] = {
 
 
 def _job() -> dict:
-    cfg = ClusterConfig(name="train-jax-lm", accelerator="v6e", topology="4x4", image=IMAGE)
+    cfg = ClusterConfig(name="train-jax-lm", accelerator="v6e", topology="4x4", image=IMAGE,
+                        service_account="pathways-ray",  # may read and write the bucket
+                        compilation_cache="gs://my-team-bucket/pathways-ray/xla-cache")
     return ray_job(cfg, example_entrypoint(cfg), runtime_env={
         "working_dir": "https://github.com/my-org/pathways-ray/archive/main.zip"})
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import ray
 
-from pathways_ray import boundary
+from pathways_ray import boundary, compile_cache
 from pathways_ray.channel import ChannelServer
 from pathways_ray.config import PLATFORM_ENV, timeout_s
 from pathways_ray.errors import SliceLost, WaitTimeout, WorkerDied
@@ -68,6 +68,7 @@ class ChipWorker:
         # buffer id -> (this chip's (ref, index) pieces, the slice they come from or None)
         self._staged: dict[int, tuple[list, str | None]] = {}
         self._staged_cond = threading.Condition()
+        self._cache_counter = None  # this process's compilation cache lookups
 
     # ---- placement ---------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -131,6 +132,8 @@ class ChipWorker:
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
             if self.info.platform == "cpu":
                 _cache_writes_from_every_process()
+            self._cache_counter = compile_cache.count_events(
+                compilation_cache_dir, f"{self.info.slice_name}-{rank}-{os.getpid()}")
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,
@@ -257,6 +260,8 @@ class ChipWorker:
         return {"buffers": len(ex.buffers), "programs": len(ex.programs),
                 "commands": ex.commands_run, "batches": ex.batches_run,
                 "first_call_s": dict(ex.first_call_s),
+                "compile_cache": (self._cache_counter.counts.as_dict()
+                                  if self._cache_counter else None),
                 "staged": len(self._staged)} if ex else {}
 
     def shutdown_world(self) -> None:

@@ -5,6 +5,7 @@
     pathways-ray down
     pathways-ray demo [--chaos]
     pathways-ray chaos kill-host v6e-2x4-1
+    pathways-ray cache status|clear
 """
 
 from __future__ import annotations
@@ -103,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     down = sub.add_parser("down", help="stop a local emulated fleet")
     down.add_argument("--name", default=None, help="fleet name (default: the only one running)")
     down.add_argument("--all", action="store_true", help="stop every local fleet")
+
+    cache = sub.add_parser(
+        "cache", help="show or clear the persistent compilation cache",
+        description="The XLA executables chip workers keep between runs: `status` shows "
+        "entries, size, and the hits and misses the chip workers counted from JAX's own "
+        "monitoring events; `clear` removes every entry, so the next run compiles.")
+    cache.add_argument("action", choices=["status", "clear"])
+    cache.add_argument("--dir", default=None,
+                       help="cache directory (default $PATHWAYS_RAY_COMPILATION_CACHE_DIR, "
+                       "else <PATHWAYS_RAY_DIR>/xla-cache)")
 
     demo = sub.add_parser("demo", help="train a small LM through the single controller",
                           description="Start a local emulated fleet, train a small transformer "
@@ -214,6 +225,19 @@ def cmd_status(args) -> int:
         fleet.shutdown()
 
 
+def cmd_cache(args) -> int:
+    from pathways_ray import compile_cache
+    from pathways_ray.config import default_compilation_cache_dir
+
+    path = args.dir or default_compilation_cache_dir()
+    if args.action == "clear":
+        n = compile_cache.clear(path)
+        console.print(f"removed {n} entries from {path}", highlight=False)
+    else:
+        console.print(compile_cache.summary(path).table(), highlight=False)
+    return 0
+
+
 CHAOS_ACTIONS = {"kill-host": "killed", "freeze-host": "froze", "thaw-host": "thawed",
                  "restore-host": "restored"}
 
@@ -323,7 +347,7 @@ def handle_sigterm_as_interrupt() -> None:
 
 
 COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "demo": cmd_demo,
-            "chaos": cmd_chaos}
+            "chaos": cmd_chaos, "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

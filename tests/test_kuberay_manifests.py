@@ -156,6 +156,10 @@ def test_ray_service_serves_the_openai_app_on_a_v6e_4x4_slice():
         (dict(accelerator="v6e", topology="4x4", namespace="Prod"), "namespace='Prod'"),
         (dict(accelerator="v6e", topology="4x4", head_memory="lots"), "head_memory='lots'"),
         (dict(accelerator="v6e", topology="4x4", ray_version="latest"), "ray_version='latest'"),
+        (dict(accelerator="v6e", topology="4x4", compilation_cache="/tmp/c"),
+         "compilation_cache='/tmp/c'"),
+        (dict(accelerator="v6e", topology="4x4", compilation_cache="pvc:Bad_Name"),
+         "compilation_cache='pvc:Bad_Name'"),
     ],
 )
 def test_invalid_requests_name_the_field(kwargs, field_text):
@@ -164,6 +168,35 @@ def test_invalid_requests_name_the_field(kwargs, field_text):
     with pytest.raises(ValueError) as exc:
         ray_cluster(ClusterConfig(**kwargs))
     assert field_text in str(exc.value)
+
+
+def test_a_team_compilation_cache_reaches_every_pod():
+    """A bucket sets the cache variable on head and TPU workers; a volume claim is also
+    mounted where the variable points. The manifests still pass the CRD schema."""
+    from pathways_ray.config import CACHE_ENV
+
+    def pods(m):
+        spec = m["spec"]
+        yield spec["headGroupSpec"]["template"]["spec"]
+        for g in spec["workerGroupSpecs"]:
+            yield g["template"]["spec"]
+
+    bucket = ray_cluster(ClusterConfig(name="c", accelerator="v6e", topology="4x4",
+                                       compilation_cache="gs://team-bucket/xla"))
+    for pod in pods(bucket):
+        env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+        assert env[CACHE_ENV] == "gs://team-bucket/xla"
+    shared = ray_cluster(ClusterConfig(name="c", accelerator="v6e", topology="4x4",
+                                       compilation_cache="pvc:xla-cache"))
+    for pod in pods(shared):
+        c = pod["containers"][0]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "xla-cache")
+        assert env[CACHE_ENV] == mount["mountPath"]
+        assert {"name": "xla-cache", "persistentVolumeClaim": {"claimName": "xla-cache"}} in (
+            pod["volumes"])
+    validate(shared)
+    validate(bucket)
 
 
 def test_invalid_job_and_service_arguments():
