@@ -48,8 +48,10 @@ class Client:
         # controller by its own setting; this is the backstop over all of them.
         timeout = start_timeout_s or 4 * (config.timeout_s("reserve")
                                           + config.timeout_s("worker_start"))
-        self.slices = [SliceInfo(d["name"], d["topology"], d["chips"])
-                       for d in self._call("start", timeout=timeout)]
+        described = self._call("start", timeout=timeout)
+        self.slices = [SliceInfo(d["name"], d["topology"], d["chips"]) for d in described]
+        # What holds each slice, so close() can free it even if the controller died.
+        self._pg_ids = {d["name"]: d["placement_groups"] for d in described}
         self._chips = {s.name: s.chips for s in self.slices}
         self._groups: dict[str, SliceInfo] = {}  # multislice placements, by name
         self._ids = itertools.count(1)
@@ -262,6 +264,7 @@ class Client:
         for d in self._call("describe"):
             if d["name"] not in known:
                 info = SliceInfo(d["name"], d["topology"], d["chips"])
+                self._pg_ids[info.name] = d["placement_groups"]
                 self._queue.add(info.name, [info.name])
                 self._chips[info.name] = info.chips
                 self.slices.append(info)
@@ -313,6 +316,9 @@ class Client:
                          what="closing the controller", died=_controller_died)
         except PathwaysError as e:
             logger.info("closing the client: %s", e)
+            # The controller died or did not finish: its placement groups would hold the
+            # slices until this Ray job ends (its chip workers died with it).
+            _release(self._pg_ids)
         finally:
             ray.kill(self._controller)
             if self._keeper is not None:
@@ -323,6 +329,23 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _release(pg_ids: dict[str, list[str]]) -> None:
+    """Remove the placement groups of slices whose controller is gone, and their
+    records for ``pathways-ray status``."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    from pathways_ray import registry
+
+    for name, ids in pg_ids.items():
+        for pg_id in ids:
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+            except Exception:  # noqa: BLE001 - already removed
+                logger.debug("placement group %s of %s already gone", pg_id, name)
+        registry.unregister(name)
 
 
 def connect(slices: list | None = None, *, reserve_timeout_s: float | None = None,

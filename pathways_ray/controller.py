@@ -148,7 +148,8 @@ class Controller:
             live = list(self.slices.values())
         return [{"name": s.name, "topology": str(s.topology), "chips": s.num_chips,
                  "chips_per_host": s.topology.chips_per_host,
-                 "workers": [(w.rank, w.info.worker_id, w.info.chip) for w in s.workers]}
+                 "workers": [(w.rank, w.info.worker_id, w.info.chip) for w in s.workers],
+                 "placement_groups": s.placement_group_ids}
                 for s in live]
 
     def group(self, slice_names: list[str]) -> dict:

@@ -303,6 +303,13 @@ class Slice:
         self._spg.shutdown()
         registry.unregister(self.name)
 
+    @property
+    def placement_group_ids(self) -> list[str]:
+        """The placement groups holding this slice (hex ids): what anyone must remove to
+        free it if this object's owner dies (they live as long as the Ray job)."""
+        pgs = [self._spg.slice_placement_group, *self._spg.head_placement_groups]
+        return [pg.id.hex() for pg in pgs if pg is not None]
+
     def __enter__(self) -> Slice:
         return self
 

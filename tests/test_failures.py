@@ -178,6 +178,18 @@ def test_a_dead_controller_raises_controller_died(fleet):
     with pytest.raises(ControllerDied, match=r"pathways_ray.connect\(\)"):
         x.fetch()
     client.close()
+    _all_free_within(30)  # the dead controller's placement groups freed by close()
+    with connect() as again:  # so connect() can go on, as the error says
+        assert len(again.slices) == 2
+
+
+def _all_free_within(seconds: float) -> None:
+    from pathways_ray.cluster import cluster_slices
+
+    deadline = time.monotonic() + seconds
+    while not all(v.idle for v in cluster_slices()):
+        assert time.monotonic() < deadline, [(v.name, v.state) for v in cluster_slices()]
+        time.sleep(0.5)
 
 
 def test_asking_for_more_slices_than_free_fails_clearly_and_holds_none(fleet):
@@ -185,16 +197,12 @@ def test_asking_for_more_slices_than_free_fails_clearly_and_holds_none(fleet):
     error names the shape and the timeout setting, and the slices that were reserved
     are released: nothing stays held."""
     from pathways_ray import ReservationTimeout
-    from pathways_ray.cluster import cluster_slices
 
     _restore(fleet)
     t0 = time.monotonic()
     with pytest.raises(ReservationTimeout, match=r"v6e 2x2.*timeout_s=3"):
         connect(slices=["v6e-2x2"] * 3, reserve_timeout_s=3)
     assert time.monotonic() - t0 < 60
-    deadline = time.monotonic() + 30
-    while not all(v.idle for v in cluster_slices()):
-        assert time.monotonic() < deadline, [(v.name, v.state) for v in cluster_slices()]
-        time.sleep(0.5)
+    _all_free_within(30)
     with connect() as client:  # and both can be reserved again
         assert len(client.slices) == 2
