@@ -33,25 +33,22 @@ __all__ = ["Client", "Compiled", "JitFunction", "RemoteArray", "SliceInfo", "con
            "reshard"]
 
 
-def _controller_died(e: BaseException) -> ControllerDied:
-    return ControllerDied(f"the controller is gone ({type(e).__name__}: {e}); the slices it "
-                          f"held are released. Start a new client with pathways_ray.connect()")
-
-
 class Client:
     """The single-controller client. Make one with ``pathways_ray.connect()``."""
 
     def __init__(self, controller, max_batch: int = 64, flush_interval_s: float = 0.010,
                  start_timeout_s: float | None = None):
         self._controller = controller
+        # What holds each slice (placement group ids), so the client can free it when the
+        # controller is gone: they live as long as the Ray job, not as the controller.
+        self._pg_ids: dict[str, list[str]] = {}
         # Reserving every slice and starting its workers, each step bounded on the
         # controller by its own setting; this is the backstop over all of them.
         timeout = start_timeout_s or 4 * (config.timeout_s("reserve")
                                           + config.timeout_s("worker_start"))
         described = self._call("start", timeout=timeout)
         self.slices = [SliceInfo(d["name"], d["topology"], d["chips"]) for d in described]
-        # What holds each slice, so close() can free it even if the controller died.
-        self._pg_ids = {d["name"]: d["placement_groups"] for d in described}
+        self._pg_ids.update((d["name"], d["placement_groups"]) for d in described)
         self._chips = {s.name: s.chips for s in self.slices}
         self._groups: dict[str, SliceInfo] = {}  # multislice placements, by name
         self._ids = itertools.count(1)
@@ -61,7 +58,32 @@ class Client:
         self._ready_polls: dict[tuple[str, int], list] = {}  # is_ready's open queries
         self._queue = Dispatcher(controller, [s.name for s in self.slices],
                                  max_batch=max_batch, flush_interval_s=flush_interval_s,
-                                 died=_controller_died)
+                                 died=self._controller_died)
+
+    def _controller_died(self, e: BaseException) -> ControllerDied:
+        """The controller is gone: free the slices it held (its chip workers died with
+        it, its placement groups did not) and say how to go on."""
+        self._release_slices()
+        return ControllerDied(f"the controller is gone ({type(e).__name__}: {e}); the slices "
+                              f"it held are released. Start a new client with "
+                              f"pathways_ray.connect()")
+
+    def _release_slices(self) -> None:
+        """Remove the placement groups of this client's slices, and their records for
+        ``pathways-ray status``; once (later calls find nothing left)."""
+        import ray
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        from pathways_ray import registry
+
+        pg_ids, self._pg_ids = self._pg_ids, {}
+        for name, ids in pg_ids.items():
+            for pg_id in ids:
+                try:
+                    remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+                except Exception:  # noqa: BLE001 - already removed
+                    logger.debug("placement group %s of %s already gone", pg_id, name)
+            registry.unregister(name)
 
     @property
     def max_batch(self) -> int:
@@ -73,7 +95,7 @@ class Client:
         ref = getattr(self._controller, method).remote(*args)
         try:
             return boundary.get(ref, timeout=timeout, what=f"the controller's {method}",
-                                died=_controller_died)
+                                died=self._controller_died)
         except SliceLost as e:
             raise self._queue.record(where or e.slice, e) from None
 
@@ -179,6 +201,7 @@ class Client:
         return jax.tree.unflatten(out_tree, outs)
 
     def _free(self, slice_name: str, buffer_id: int) -> None:
+        self._ready_polls.pop((slice_name, buffer_id), None)
         if not self._closed:
             self._queue.free(slice_name, buffer_id)
 
@@ -313,12 +336,10 @@ class Client:
         self._queue.close()
         try:
             boundary.get(self._controller.shutdown.remote(), timeout="shutdown",
-                         what="closing the controller", died=_controller_died)
+                         what="closing the controller", died=self._controller_died)
         except PathwaysError as e:
             logger.info("closing the client: %s", e)
-            # The controller died or did not finish: its placement groups would hold the
-            # slices until this Ray job ends (its chip workers died with it).
-            _release(self._pg_ids)
+            self._release_slices()  # the controller did not finish: nothing stays held
         finally:
             ray.kill(self._controller)
             if self._keeper is not None:
@@ -329,23 +350,6 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _release(pg_ids: dict[str, list[str]]) -> None:
-    """Remove the placement groups of slices whose controller is gone, and their
-    records for ``pathways-ray status``."""
-    import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    from pathways_ray import registry
-
-    for name, ids in pg_ids.items():
-        for pg_id in ids:
-            try:
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
-            except Exception:  # noqa: BLE001 - already removed
-                logger.debug("placement group %s of %s already gone", pg_id, name)
-        registry.unregister(name)
 
 
 def connect(slices: list | None = None, *, reserve_timeout_s: float | None = None,

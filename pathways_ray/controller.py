@@ -440,12 +440,10 @@ def _reserve_all(specs: list, opts: dict) -> list[Slice]:
         return [Slice.reserve(specs[0], **opts)]
     with ThreadPoolExecutor(len(specs), thread_name_prefix="pathways-ray-reserve") as pool:
         futures = [pool.submit(Slice.reserve, spec, **opts) for spec in specs]
-        outcomes = [(f.result(), None) if f.exception() is None else (None, f.exception())
-                    for f in futures]
-    errors = [e for _, e in outcomes if e is not None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
-        for s, _ in outcomes:
-            if s is not None:
-                s.shutdown()
+        for f in futures:
+            if f.exception() is None:
+                f.result().shutdown()
         raise errors[0]
-    return [s for s, _ in outcomes]
+    return [f.result() for f in futures]
