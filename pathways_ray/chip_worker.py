@@ -258,6 +258,7 @@ class ChipWorker:
     def stats(self) -> dict:
         ex = self.executor
         return {"buffers": len(ex.buffers), "programs": len(ex.programs),
+                "compiled": len(ex.compiled),
                 "commands": ex.commands_run, "batches": ex.batches_run,
                 "first_call_s": dict(ex.first_call_s),
                 "compile_cache": (self._cache_counter.counts.as_dict()

@@ -19,7 +19,7 @@ import numpy as np
 
 from pathways_ray import boundary, config
 from pathways_ray.arrays import RemoteArray, SliceInfo, spec_of
-from pathways_ray.commands import Put, Reshard, Run
+from pathways_ray.commands import Compile, Put, Reshard, Run
 from pathways_ray.dispatch import Dispatcher
 from pathways_ray.errors import ControllerDied, PathwaysError, SliceLost
 from pathways_ray.executor import assemble
@@ -199,6 +199,22 @@ class Client:
         self._queue.enqueue(target, Run(program.fingerprint, tuple(a._id for a in arrays),
                                         tuple(o._id for o in outs)))
         return jax.tree.unflatten(out_tree, outs)
+
+    def _compile(self, program: Program, target: str) -> RemoteArray:
+        """Ship ``program`` to ``target`` and compile it there without running it;
+        returns the status buffer (ready once every chip compiled)."""
+        self._check(target)
+        if program.mesh.size != self._chips[target]:
+            raise ValueError(f"{program.fun_name} was exported for {program.mesh.size} chips; "
+                             f"slice {target} has {self._chips[target]} chips")
+        if program.fingerprint not in self._registered:
+            self._controller.register_program.remote(program.fingerprint, program.blob)
+            self._registered.add(program.fingerprint)
+        status = RemoteArray(self, next(self._ids), target, (), "int32", program.mesh, ())
+        sigs = tuple((s.shape, s.dtype, s.spec) for s in program.in_sigs)
+        self._queue.enqueue(target, Compile(program.fingerprint, sigs, status._id,
+                                            program.mesh))
+        return status
 
     def _free(self, slice_name: str, buffer_id: int) -> None:
         self._ready_polls.pop((slice_name, buffer_id), None)

@@ -22,7 +22,8 @@ from typing import Any
 
 from pathways_ray.sharding import MeshShape, Spec
 
-__all__ = ["Command", "Free", "Load", "Put", "Reshard", "Restore", "Run", "Save", "placed"]
+__all__ = ["Command", "Compile", "Free", "Load", "Put", "Reshard", "Restore", "Run", "Save",
+           "placed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,29 @@ class Run:
 
     def __reduce__(self):
         return (Run, (self.fingerprint, self.inputs, self.outputs))
+
+
+@dataclass(frozen=True, slots=True)
+class Compile:
+    """Compile a loaded program for its signature ahead of its first ``Run``, without
+    running it (``client.jit(f).lower(...).compile()``): the first step then only runs.
+    ``in_sigs`` are ``(shape, dtype, spec)`` per flat input; ``status`` becomes a
+    replicated int32 scalar once every chip has compiled (or the compile error)."""
+
+    fingerprint: str
+    in_sigs: tuple[tuple[tuple[int, ...], str, Spec], ...]
+    status: int
+    mesh: MeshShape
+    start: int = 0
+
+    reads = ()
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.status,)
+
+    def __reduce__(self):
+        return (Compile, (self.fingerprint, self.in_sigs, self.status, self.mesh, self.start))
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +200,7 @@ class Restore:
                           self.specs, self.mesh, self.start))
 
 
-Command = Load | Put | Run | Reshard | Free | Save | Restore
+Command = Load | Put | Run | Compile | Reshard | Free | Save | Restore
 
 
 def placed(cmd: Command, start: int) -> Command:
@@ -185,7 +209,7 @@ def placed(cmd: Command, start: int) -> Command:
     match cmd:
         case Put():
             return replace(cmd, start=start, pieces=None)
-        case Reshard() | Save() | Restore() if cmd.start != start:
+        case Reshard() | Save() | Restore() | Compile() if cmd.start != start:
             return replace(cmd, start=start)
         case _:
             return cmd

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from pathways_ray import boundary
 from pathways_ray.channel import CommandChannel, dumps
-from pathways_ray.commands import Command, Free, Load, Put, Run, placed
+from pathways_ray.commands import Command, Compile, Free, Load, Put, Run, placed
 from pathways_ray.config import timeout_s
 from pathways_ray.errors import SliceLost, WorkerDied
 from pathways_ray.health import HealthMonitor, Regrower
@@ -188,7 +188,7 @@ class Controller:
         live, loaded = self.arrays[where], self.loaded[where]
         for cmd in commands:
             match cmd:
-                case Run(fingerprint=fp) if fp not in loaded:
+                case Run(fingerprint=fp) | Compile(fingerprint=fp) if fp not in loaded:
                     batch.append(Load(fp, self.programs[fp]))
                     loaded.add(fp)
                     self.loads_sent[where] += 1
@@ -200,7 +200,7 @@ class Controller:
             live.update(cmd.writes)
             batch.append(placed(cmd, p.start))
         payload = dumps(batch)
-        loads = any(isinstance(c, Load) for c in batch)
+        loads = any(isinstance(c, (Load, Compile)) for c in batch)  # compile deadline
         # Backpressure: a client that issues work faster than the slice runs it waits here.
         for s in p.slices:
             for ch in self._stream_of(s.name):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathways_ray.commands import Command, Free, Load, Put, Reshard, Restore, Run, Save
+from pathways_ray.commands import Command, Compile, Free, Load, Put, Reshard, Restore, Run, Save
 from pathways_ray.errors import PathwaysError, RemoteError
 from pathways_ray.sharding import MeshShape, Spec, shard_slices
 
@@ -80,6 +80,7 @@ class Executor:
         self._pieces = pieces  # buffer id -> this chip's (index, array) pieces
         self.buffers: dict[int, object] = {}
         self.programs: dict[str, Callable] = {}
+        self.compiled: dict[str, Callable] = {}  # compiled ahead (Compile): runs at once
         self._meshes: dict[MeshShape, object] = {}
         self.commands_run = 0
         self.batches_run = 0
@@ -158,6 +159,8 @@ class Executor:
                             self.buffers.pop(i, None)
                     case Load():
                         self._load(cmd)
+                    case Compile():
+                        self._compile(cmd)
                     case Save():
                         self._save(cmd)
                     case Restore():
@@ -183,6 +186,30 @@ class Executor:
         exp = export.deserialize(bytearray(cmd.blob))
         self.programs[cmd.fingerprint] = jax.jit(exp.call)
 
+    def _compile(self, cmd: Compile) -> None:
+        import jax
+
+        program = self.programs.get(cmd.fingerprint)
+        if program is None:
+            raise KeyError(f"program {cmd.fingerprint} was never loaded on this chip")
+        if cmd.fingerprint not in self.compiled:
+            t0 = time.monotonic()
+            args = [jax.ShapeDtypeStruct(shape, np.dtype(dtype),
+                                         sharding=self.sharding(cmd.mesh, spec, cmd.start))
+                    for shape, dtype, spec in cmd.in_sigs]
+            self.compiled[cmd.fingerprint] = program.lower(*args).compile()
+            self.first_call_s.setdefault(cmd.fingerprint, took := time.monotonic() - t0)
+            logger.info("program %s: compiled ahead (or loaded from the cache) in %.2f s",
+                        cmd.fingerprint[:12], took)
+        self.buffers[cmd.status] = self._scalar(np.int32(1), cmd.mesh, cmd.start)
+
+    def _scalar(self, value, mesh: MeshShape, start: int):
+        """A replicated scalar over the placement: a command's status."""
+        import jax
+
+        return jax.make_array_from_single_device_arrays(
+            (), self.sharding(mesh, (), start), [jax.device_put(value, jax.local_devices()[0])])
+
     def _put(self, cmd: Put) -> None:
         import jax
 
@@ -200,7 +227,7 @@ class Executor:
                 for out_id in cmd.outputs:
                     self.buffers[out_id] = a
                 return
-        program = self.programs.get(cmd.fingerprint)
+        program = self.compiled.get(cmd.fingerprint) or self.programs.get(cmd.fingerprint)
         if program is None:
             raise KeyError(f"program {cmd.fingerprint} was never loaded on this chip")
         import jax
@@ -229,7 +256,6 @@ class Executor:
 
     # ---- checkpoints (Orbax; every chip of the placement takes part) ------------------
     def _save(self, cmd: Save) -> None:
-        import jax
         import orbax.checkpoint as ocp
 
         arrays = [self.get(i) for i in cmd.inputs]
@@ -240,9 +266,7 @@ class Executor:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(cmd.path, _nest(cmd.keys, arrays))
             ckpt.wait_until_finished()  # committed on every chip before the status exists
-        sharding = self.sharding(cmd.mesh, (), cmd.start)
-        self.buffers[cmd.status] = jax.make_array_from_single_device_arrays(
-            (), sharding, [jax.device_put(np.int32(len(arrays)), jax.local_devices()[0])])
+        self.buffers[cmd.status] = self._scalar(np.int32(len(arrays)), cmd.mesh, cmd.start)
 
     def _restore(self, cmd: Restore) -> None:
         import jax

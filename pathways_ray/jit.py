@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pathways_ray.arrays import RemoteArray, spec_of
 from pathways_ray.program import Program, export_program
 
 if TYPE_CHECKING:
     from pathways_ray.client import Client
 
-__all__ = ["Compiled", "JitFunction", "remote_args"]
+__all__ = ["Compiled", "JitFunction", "Lowered", "remote_args"]
 
 
 class JitFunction:
@@ -33,15 +35,17 @@ class JitFunction:
         return jax.tree.map(lambda s: s.spec, self.out_shardings,
                             is_leaf=lambda s: hasattr(s, "spec"))
 
-    def lower(self, *args) -> Compiled:
-        """Export for these arguments (RemoteArrays) without running.
+    def lower(self, *args) -> Lowered:
+        """Export for these arguments without running: ``RemoteArray``s, or
+        ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(client.mesh(...), spec))``
+        for arrays that do not exist yet. ``.compile(slice=...)`` then compiles it there.
 
         The result runs only with arguments of exactly this signature and mesh
         size; anything else fails on the client, before dispatch, naming the
         argument path and both values.
         """
-        (program, out_tree), _ = self._program(*args)
-        return Compiled(self._client, program, out_tree)
+        (program, out_tree), _ = self._program(*_as_specs(args))
+        return Lowered(self._client, program, out_tree)
 
     def _program(self, *args):
         import jax
@@ -97,12 +101,13 @@ def remote_args(args: tuple, fun_name: str):
     paths = [f"args{keystr(p)}" for p, _ in flat]
     arrays = []
     for path, (_, leaf) in zip(paths, flat, strict=True):
-        if not isinstance(leaf, RemoteArray):
+        if not isinstance(leaf, (RemoteArray, _Spec)):
             raise TypeError(f"{path} is a {type(leaf).__name__}; pass arrays placed with "
                             f"client.device_put(...)")
         arrays.append(leaf)
-    if len({a.slice for a in arrays}) > 1:
-        where = ", ".join(f"{p} on {a.slice}" for p, a in zip(paths, arrays, strict=True))
+    if len({a.slice for a in arrays if a.slice is not None}) > 1:
+        where = ", ".join(f"{p} on {a.slice}" for p, a in zip(paths, arrays, strict=True)
+                          if a.slice is not None)
         raise ValueError(f"{fun_name}'s arguments live on different slices ({where}); move "
                          f"them with pathways_ray.reshard(x, sharding, slice=...) first")
     return arrays, paths, treedef
@@ -126,8 +131,9 @@ def _default_out_specs(flat_fn, arrays: list[RemoteArray]):
     return jax.tree.map(pick, outs)
 
 
-class Compiled:
-    """A program exported for one signature (``JitFunction.lower``)."""
+class Lowered:
+    """A program exported for one signature (``JitFunction.lower``); callable as is
+    (compiled on its first run), or ``compile()``d on a slice ahead of it."""
 
     def __init__(self, client: Client, program: Program, out_tree):
         self._client = client
@@ -137,5 +143,58 @@ class Compiled:
     def __call__(self, *args):
         arrays, _, _ = remote_args(args, self.program.fun_name)
         return self._client._run(self.program, self._out_tree, arrays)
+
+    def compile(self, slice: str | int | None = None) -> Compiled:
+        """Ship the program to ``slice`` (default: the first) and compile it there now,
+        without running it: the first call finds it compiled (or the persistent
+        compilation cache fills, for the next client). Returns at once; ``Compiled.
+        block_until_ready()`` waits for every chip, and raises a compile error as
+        ``RemoteError``."""
+        status = self._client._compile(self.program, self._client.slice(slice).name)
+        return Compiled(self._client, self.program, self._out_tree, status)
+
+
+class Compiled(Lowered):
+    """A program compiled ahead on a slice (``Lowered.compile``)."""
+
+    def __init__(self, client: Client, program: Program, out_tree, status):
+        super().__init__(client, program, out_tree)
+        self.status = status  # a RemoteArray: ready once every chip has compiled
+
+    def block_until_ready(self, timeout_s: float | None = None) -> Compiled:
+        self.status.block_until_ready(timeout_s)
+        return self
+
+    def is_ready(self) -> bool:
+        return self.status.is_ready()
+
+
+class _Spec:
+    """An abstract argument for ``lower``: what the export needs of a RemoteArray."""
+
+    def __init__(self, struct, mesh, spec):
+        from pathways_ray.program import ArgSignature
+
+        self.shape, self.dtype = tuple(struct.shape), np.dtype(struct.dtype)
+        self.mesh, self.spec = mesh, spec
+        self.signature = ArgSignature(self.shape, self.dtype.name, spec)
+        self.slice = None
+
+
+def _as_specs(args: tuple) -> tuple:
+    """``args`` with each ``jax.ShapeDtypeStruct`` as an abstract argument."""
+    import jax
+
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            if x.sharding is None:
+                raise ValueError(f"lower() got jax.ShapeDtypeStruct{x.shape} without a "
+                                 f"sharding; give sharding=NamedSharding(client.mesh(...), "
+                                 f"PartitionSpec(...))")
+            mesh, spec = spec_of(x.sharding, len(x.shape))
+            return _Spec(x, mesh, spec)
+        return x
+
+    return jax.tree.map(one, args)
 
 

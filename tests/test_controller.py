@@ -113,6 +113,32 @@ def test_wrong_arguments_fail_on_the_client_before_dispatch(client, mesh):
     assert after - before == 3
 
 
+def test_compile_ahead_ships_and_compiles_without_running(client, mesh):
+    """``lower`` on abstract arguments (no array exists yet) and ``compile(slice=)``
+    compile on every chip of that slice; the first call then compiles nothing."""
+    def ahead(w, v):
+        return jnp.tanh(w @ v) * 0.75  # a program of its own
+
+    f = client.jit(ahead)
+    w_spec = jax.ShapeDtypeStruct((4, 8), np.float32, sharding=NamedSharding(mesh, P()))
+    v_spec = jax.ShapeDtypeStruct((8, 2), np.float32, sharding=NamedSharding(mesh, P("data")))
+    compiled = f.lower(w_spec, v_spec).compile(slice=1)
+    fp = compiled.program.fingerprint
+    compiled.block_until_ready(timeout_s=120)
+    workers = stats(client, client.slices[1].name)["workers"]
+    assert all(fp in w["first_call_s"] and w["compiled"] >= 1 for w in workers), workers
+    w = client.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P()), slice=1)
+    v = client.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh, P("data")), slice=1)
+    out = f(w, v).fetch()  # the jit function finds the same program, compiled
+    np.testing.assert_allclose(out, np.tanh(8.0) * 0.75 * np.ones((4, 2)), rtol=1e-6)
+    after = stats(client, client.slices[1].name)["workers"]
+    # No chip compiled again, nor even looked in the persistent cache (JAX's events).
+    assert [a["compile_cache"]["requests"] for a in after] == [
+        w["compile_cache"]["requests"] for w in workers]
+    with pytest.raises(ValueError, match=r"without a sharding; give sharding="):
+        f.lower(jax.ShapeDtypeStruct((4, 8), np.float32), v_spec)
+
+
 def test_failing_program_returns_remote_traceback_and_slice_lives(client, mesh):
     """An error while a program runs (here: out of memory) comes back with the remote
     traceback when the result is fetched; the slice keeps running programs."""
