@@ -34,6 +34,8 @@ _LAZY = {
     "LocalFleet": "pathways_ray.local_fleet",
     "cluster_or_local": "pathways_ray.local_fleet",
     "Slice": "pathways_ray.slice",
+    "Host": "pathways_ray.sidecar",
+    "HostArray": "pathways_ray.sidecar",
 }
 # Names of earlier releases, still served from their modules; not in __all__.
 _MOVED = {
@@ -53,6 +55,8 @@ __all__ = [
     "ControllerDied",
     "Fleet",
     "FleetError",
+    "Host",
+    "HostArray",
     "LocalFleet",
     "PathwaysError",
     "RemoteArray",

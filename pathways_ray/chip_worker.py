@@ -68,6 +68,7 @@ class ChipWorker:
         # buffer id -> (this chip's (ref, index) pieces, the slice they come from or None)
         self._staged: dict[int, tuple[list, str | None]] = {}
         self._staged_cond = threading.Condition()
+        self._held: dict[int, object] = {}  # token -> shards (or the error) for a sidecar
         self._cache_counter = None  # this process's compilation cache lookups
 
     # ---- placement ---------------------------------------------------------
@@ -144,7 +145,7 @@ class ChipWorker:
 
         self.rank = rank
         self._mesh = Mesh(np.array(jax.devices()[start:start + count]), ("chips",))
-        self.executor = Executor(rank, pieces=self._take_pieces)
+        self.executor = Executor(rank, pieces=self._take_pieces, give=self._give)
         local = jax.local_devices()
         if len(local) != 1:
             raise RuntimeError(
@@ -196,10 +197,11 @@ class ChipWorker:
         return self._channel.address, self._channel.token
 
     @ray.method(concurrency_group="control")
-    def stage(self, buffer_id: int, pieces: list, source: str | None = None) -> None:
+    def stage(self, buffer_id: int, pieces: list, source: str | tuple | None = None) -> None:
         """Hand over the object refs a later ``put`` in the stream assembles this
         chip's shard from (refs travel by Ray call so Ray tracks who holds them).
-        ``source`` names the slice they come from (a cross-slice reshard)."""
+        ``source`` names the slice they come from (a cross-slice reshard), or the
+        ``(slice, host)`` of the sidecar that returns them."""
         with self._staged_cond:
             self._staged[buffer_id] = (pieces, source)
             self._staged_cond.notify_all()
@@ -214,6 +216,10 @@ class ChipWorker:
             pieces, source = self._staged.pop(buffer_id)
 
         def died(e: BaseException):
+            if isinstance(source, tuple):  # (slice, host) of the sidecar that made them
+                return SliceLost(source[0], (source[1],), reason=f"its sidecar on host "
+                                 f"{source[1]} died before chip rank {self.rank} read buffer "
+                                 f"{buffer_id} from it ({type(e).__name__})")
             if source is None:
                 return WorkerDied(f"the data of buffer {buffer_id} was lost before this chip "
                                   f"read it: {e}")
@@ -223,6 +229,25 @@ class ChipWorker:
         values = boundary.get([ref for ref, _ in pieces], timeout="stream",
                               what=f"the pieces of buffer {buffer_id}", died=died)
         return [(index, v) for (_, index), v in zip(pieces, values, strict=True)]
+
+    def _give(self, token: int, value) -> None:
+        with self._staged_cond:
+            self._held[token] = value
+            self._staged_cond.notify_all()
+
+    @ray.method(concurrency_group="host")
+    def held(self, token: int) -> list[np.ndarray]:
+        """This chip's shards that a ``Hold`` in the stream copied for a sidecar call
+        (once; raises why they could not be read)."""
+        wait_s = timeout_s("stream")
+        with self._staged_cond:
+            if not self._staged_cond.wait_for(lambda: token in self._held, timeout=wait_s):
+                raise WaitTimeout(f"shards held for sidecar call {token} did not appear within "
+                                  f"{wait_s:g} s ($PATHWAYS_RAY_STREAM_TIMEOUT_S)")
+            value = self._held.pop(token)
+        if isinstance(value, BaseException):
+            raise value
+        return value
 
     def _after(self, batches: int) -> None:
         """Wait until the first ``batches`` batches of the stream have run: a query

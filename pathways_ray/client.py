@@ -56,6 +56,9 @@ class Client:
         self._closed = False
         self._keeper = None  # the host-memory snapshot keeper, started on first use
         self._ready_polls: dict[tuple[str, int], list] = {}  # is_ready's open queries
+        # What this client sent and received itself: array bytes it put in the object
+        # store (device_put), bytes it fetched, sidecar calls it made.
+        self.counters = {"put_bytes": 0, "fetched_bytes": 0, "sidecar_calls": 0}
         self._queue = Dispatcher(controller, [s.name for s in self.slices],
                                  max_batch=max_batch, flush_interval_s=flush_interval_s,
                                  died=self._controller_died)
@@ -177,7 +180,9 @@ class Client:
                              f"devices; slice {target.name} has {target.chips} chips")
         index = shard_slices(x.shape, mesh, spec)
         firsts = unique_shards(index)
-        refs = {r: ray.put(np.ascontiguousarray(x[index[r]])) for r in sorted(set(firsts))}
+        blocks = {r: np.ascontiguousarray(x[index[r]]) for r in sorted(set(firsts))}
+        refs = {r: ray.put(b) for r, b in blocks.items()}
+        self.counters["put_bytes"] += sum(b.nbytes for b in blocks.values())
         pieces = [[(refs[firsts[r]], index[firsts[r]])] for r in range(mesh.size)]
         arr = RemoteArray(self, next(self._ids), target.name, x.shape, x.dtype, mesh, spec)
         self._queue.enqueue(target.name, Put(arr._id, tuple(x.shape), x.dtype.name, spec, mesh,
@@ -216,6 +221,36 @@ class Client:
                                             program.mesh))
         return status
 
+    # ---- sidecars (sidecar.py) -------------------------------------------------------
+    def sidecar(self, target, *, slice: str | int | None = None):
+        """Run ``target`` (a function or a class) on every host of ``slice``, next to its
+        chips: see ``pathways_ray.sidecar``. Starts the slice's sidecars on first use."""
+        from pathways_ray import sidecar
+
+        info = self.slice(slice)
+        self._check(info.name)
+        if info.name in self._groups:
+            raise ValueError(f"slice={slice!r} spans several slices; a sidecar runs on the "
+                             f"hosts of one slice")
+        self._call("sidecars", info.name, timeout="worker_start", where=info.name)
+        return sidecar.make(self, target, info.name)
+
+    def _host_call(self, target: str, spec: dict, args: tuple, kwargs: dict, out):
+        from pathways_ray.sidecar import HostResults, build_call
+
+        self._check(target)
+        call, handles, keep = build_call(self, target, spec, args, kwargs, out)
+        self._queue.enqueue(target, call)
+        self.counters["sidecar_calls"] += 1
+        if out is not None:
+            return handles
+        return HostResults(self, target, call.reply, spec["name"], keep)
+
+    def _host_results(self, target: str, reply: int, timeout_s: float | None, what: str):
+        self._sync(target)
+        refs = self._call("host_results", reply, where=target)
+        return self._worker_results(target, refs, timeout_s, what)
+
     def _free(self, slice_name: str, buffer_id: int) -> None:
         self._ready_polls.pop((slice_name, buffer_id), None)
         if not self._closed:
@@ -253,6 +288,7 @@ class Client:
         firsts = sorted(set(unique_shards(index)))
         refs = self._call("shard_refs", arr.slice, arr._id, firsts, where=arr.slice)
         values = self._worker_results(arr.slice, refs, timeout_s, f"fetching {arr!r}")
+        self.counters["fetched_bytes"] += sum(getattr(v, "nbytes", 0) for v in values)
         full = tuple(slice(0, n) for n in arr.shape)
         return assemble(full, arr.dtype.name,
                         [(index[r], v) for r, v in zip(firsts, values, strict=True)])

@@ -22,8 +22,8 @@ from typing import Any
 
 from pathways_ray.sharding import MeshShape, Spec
 
-__all__ = ["Command", "Compile", "Free", "Load", "Put", "Reshard", "Restore", "Run", "Save",
-           "placed"]
+__all__ = ["Command", "Compile", "Free", "Hold", "HostCall", "Load", "Put", "Reshard", "Restore",
+           "Run", "Save", "placed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +200,50 @@ class Restore:
                           self.specs, self.mesh, self.start))
 
 
-Command = Load | Put | Run | Compile | Reshard | Free | Save | Restore
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Copy this chip's shards of ``buffers`` to host memory under ``token``, for a
+    sidecar call to pick up (``ChipWorker.held``). Only the chips whose rank in the
+    placement is in ``ranks`` hold (one per distinct block per host)."""
+
+    token: int
+    buffers: tuple[int, ...]
+    ranks: tuple[int, ...]
+    start: int = 0
+
+    writes = ()
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.buffers
+
+    def __reduce__(self):
+        return (Hold, (self.token, self.buffers, self.ranks, self.start))
+
+
+@dataclass(frozen=True)
+class HostCall:
+    """A sidecar call on every host of a slice (``sidecar.py``). It goes from the client
+    to the controller only: the controller turns it into a ``Hold`` of the array
+    arguments, a call to each host's sidecar, and the ``outputs`` (puts whose pieces
+    the sidecars return). ``inputs`` are ``(buffer, shape, dtype, mesh, spec)``;
+    ``reply`` (non-zero) keeps each host's return value for the client."""
+
+    spec: dict
+    inputs: tuple[tuple[int, tuple[int, ...], str, MeshShape, Spec], ...] = ()
+    outputs: tuple[Put, ...] = ()
+    reply: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return tuple(i[0] for i in self.inputs)
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return tuple(p.buffer for p in self.outputs)
+
+
+Command = Load | Put | Run | Compile | Reshard | Free | Save | Restore | Hold | HostCall
 
 
 def placed(cmd: Command, start: int) -> Command:
@@ -209,7 +252,7 @@ def placed(cmd: Command, start: int) -> Command:
     match cmd:
         case Put():
             return replace(cmd, start=start, pieces=None)
-        case Reshard() | Save() | Restore() | Compile() if cmd.start != start:
+        case Reshard() | Save() | Restore() | Compile() | Hold() if cmd.start != start:
             return replace(cmd, start=start)
         case _:
             return cmd

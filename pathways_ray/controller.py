@@ -28,17 +28,21 @@ State that the monitor thread and the call thread share is guarded by
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from pathways_ray import boundary
 from pathways_ray.channel import CommandChannel, dumps
-from pathways_ray.commands import Command, Compile, Free, Load, Put, Run, placed
+from pathways_ray.commands import Command, Compile, Free, Hold, HostCall, Load, Put, Run, placed
 from pathways_ray.config import timeout_s
 from pathways_ray.errors import SliceLost, WorkerDied
 from pathways_ray.health import HealthMonitor, Regrower
-from pathways_ray.sharding import MeshShape, transfer_plan
+from pathways_ray.sharding import MeshShape, host_blocks, transfer_plan
+from pathways_ray.sidecar_host import _Out
 from pathways_ray.slice import Slice, ping_all
 
 logger = logging.getLogger(__name__)
@@ -92,6 +96,10 @@ class Controller:
         self._shapes: dict = {}  # slice -> Topology, of every slice ever held
         self._regrower = Regrower(self._reserve_replacement, self._add_replacement)
         self._replacement_pgs: list = []  # placement groups the regrower made
+        self._tokens = itertools.count(1)  # Hold tokens
+        self._obj_seq: dict[int, int] = {}  # sidecar object -> number of calls sent to it
+        self._replies: OrderedDict[int, list] = OrderedDict()  # sidecar call -> host results
+        self._sidecar_pings: dict[str, tuple[float, list]] = {}  # slice -> (sent, refs)
 
     def start(self) -> list[dict]:
         """Reserve the slices, start their workers, open the command streams; returns
@@ -123,7 +131,8 @@ class Controller:
         self._shapes.update((name, s.topology) for name, s in self.slices.items())
         self._monitor = HealthMonitor(self._streams, self._condemn,
                                       step_timeout_s=timeout_s("step"),
-                                      compile_timeout_s=timeout_s("compile"))
+                                      compile_timeout_s=timeout_s("compile"),
+                                      also=self._sidecar_verdicts)
         return self.describe()
 
     @staticmethod
@@ -197,6 +206,10 @@ class Controller:
                         w.handle.stage.remote(cmd.buffer, mine, source)
                 case Free():
                     live.difference_update(cmd.buffers)
+                case HostCall():
+                    batch.extend(self._host_call(p, cmd))
+                    live.update(cmd.writes)
+                    continue
             live.update(cmd.writes)
             batch.append(placed(cmd, p.start))
         payload = dumps(batch)
@@ -210,6 +223,117 @@ class Controller:
                     raise self._lose(s.name, str(e)) from None
                 if loads:
                     self._last_load[s.name] = ch.sent
+
+    # ---- sidecars (sidecar.py, sidecar_host.py) -------------------------------------
+    def sidecars(self, where: str) -> int:
+        """Start the sidecars of a slice (once); returns how many hosts it has."""
+        p = self._place(where)
+        if len(p.slices) != 1:
+            raise ValueError(f"slice={where!r} spans several slices; a sidecar runs on the "
+                             f"hosts of one slice")
+        return len(p.slices[0].sidecars())
+
+    def _host_call(self, p: Placement, call: HostCall) -> list[Command]:
+        """Start a sidecar call on every host of the slice without waiting for it: the
+        chips hold their shards of its array arguments (``Hold``, at this point of the
+        stream), each host's sidecar reads its own and returns its chips' blocks of the
+        outputs as objects in its node's store, and each chip gets the refs of its
+        block (``stage``) before the outputs' puts reach it. Returns the commands for
+        the chips' streams."""
+        (sl,) = p.slices
+        hosts = sl.sidecars()
+        out: list[Command] = []
+        spec = dict(call.spec)
+        obj = spec.get("obj")
+        if obj is not None:
+            spec["seq"] = self._obj_seq.get(obj, 0)
+            self._obj_seq[obj] = spec["seq"] + 1
+        host_ranks = [h.ranks for h in hosts]
+        holders: list[list[int]] = [[] for _ in hosts]  # per host, chips that hand shards
+        token = next(self._tokens)
+        if call.inputs:
+            for _, shape, _, mesh, in_spec in call.inputs:
+                for mine, blocks in zip(holders, host_blocks(shape, mesh, in_spec, host_ranks),
+                                        strict=True):
+                    for k in range(len(blocks.pieces)):
+                        first = min(r for r, piece in blocks.chip_piece.items() if piece == k)
+                        if first not in mine:
+                            mine.append(first)
+            out.append(Hold(token, tuple(c[0] for c in call.inputs),
+                            tuple(sorted(r for mine in holders for r in mine))))
+        out_blocks = [host_blocks(put.shape, put.mesh, put.spec, host_ranks)
+                      for put in call.outputs]
+        pieces: list[list[list]] = [[[] for _ in sl.workers] for _ in call.outputs]
+        replies = []
+        for h, host in enumerate(hosts):
+            layout = []
+            for _, shape, dtype, mesh, in_spec in call.inputs:
+                index = host_blocks(shape, mesh, in_spec, [holders[h]])[0]
+                layout.append((shape, dtype, [index.pieces[index.chip_piece[r]]
+                                              for r in holders[h]]))
+            spec["in_layout"] = layout
+            spec["outs"] = [_Out(put.shape, put.dtype, b[h].box, b[h].pieces)
+                            for put, b in zip(call.outputs, out_blocks, strict=True)]
+            n = sum(len(b[h].pieces) for b in out_blocks) + bool(call.reply)
+            inputs = [sl.workers[r].handle.held.remote(token) for r in holders[h]]
+            refs = host.handle.call.options(num_returns=max(n, 1)).remote(spec, inputs)
+            refs = refs if isinstance(refs, list) else [refs]
+            if call.reply:
+                replies.append(refs.pop())
+            for i, b in enumerate(out_blocks):
+                mine, refs = refs[:len(b[h].pieces)], refs[len(b[h].pieces):]
+                for r, k in b[h].chip_piece.items():
+                    pieces[i][r].append((mine[k], b[h].pieces[k]))
+        if call.reply:
+            self._replies[call.reply] = replies
+            while len(self._replies) > 4096:  # results nobody asked for
+                self._replies.popitem(last=False)
+        for put, per_chip in zip(call.outputs, pieces, strict=True):
+            for w, mine in zip(sl.workers, per_chip, strict=True):
+                host = next(h for h in hosts if w.rank in h.ranks)
+                w.handle.stage.remote(put.buffer, mine, (sl.name, f"{sl.name}/{host.worker_id}"))
+            out.append(placed(put, p.start))
+        return out
+
+    def host_results(self, reply: int) -> list:
+        """The refs of each host's return value of a sidecar call (once)."""
+        refs = self._replies.pop(reply, None)
+        if refs is None:
+            raise ValueError(f"no sidecar call {reply} is waiting to be read (read once, and "
+                             f"only the latest 4096 are kept)")
+        return refs
+
+    def _sidecar_verdicts(self) -> dict[str, str]:
+        """For the health monitor: slices whose sidecar died or froze (a sidecar is part
+        of its host: losing it loses the slice, as losing the host would)."""
+        import ray
+
+        verdicts = {}
+        now = time.monotonic()
+        with self._lock:
+            live = [(n, s) for n, s in self.slices.items() if s._sidecars]
+        for name, s in live:
+            sent, refs = self._sidecar_pings.get(name, (now, []))
+            if refs:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+                done = set(ready)
+                for sc, ref in zip(s._sidecars, refs, strict=True):
+                    if ref in done:
+                        try:
+                            ray.get(ref, timeout=0)
+                        except ray.exceptions.RayError as e:
+                            verdicts[name] = (f"the sidecar on host {name}/{sc.worker_id} "
+                                              f"died ({type(e).__name__})")
+                    elif now - sent > timeout_s("step"):
+                        verdicts[name] = (f"the sidecar on host {name}/{sc.worker_id} did not "
+                                          f"answer for {now - sent:.0f} s (limit "
+                                          f"$PATHWAYS_RAY_STEP_TIMEOUT_S): frozen")
+                if len(done) < len(refs) or name in verdicts:
+                    continue
+                if now - sent < 1.0:
+                    continue
+            self._sidecar_pings[name] = (now, [sc.handle.ping.remote() for sc in s._sidecars])
+        return verdicts
 
     def _sent(self, p: Placement) -> list[int]:
         """Batches sent to each worker of a placement: what a query must wait for."""
@@ -335,10 +459,14 @@ class Controller:
         import ray
 
         s = self.slices.pop(name)
+        self._sidecar_pings.pop(name, None)
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         health = dict((w.rank, h) for w, h in ping_all(s.workers, 2.0))
-        hosts = tuple(sorted({f"{name}/{w.info.worker_id}" for w in s.workers
-                              if w.info.node_id not in alive or health[w.rank] != "ok"}))
+        hosts = {f"{name}/{w.info.worker_id}" for w in s.workers
+                 if w.info.node_id not in alive or health[w.rank] != "ok"}
+        hosts.update(f"{name}/{sc.worker_id}" for sc, h in boundary.health(
+            [(sc, sc.handle) for sc in s._sidecars or []], 2.0) if h != "ok")
+        hosts = tuple(sorted(hosts))
         err = self.lost[name] = SliceLost(name, hosts, reason)
         logger.warning("%s", err)
         for ch in self._channels.pop(name, []):

@@ -40,6 +40,7 @@ from pathways_ray.elastic_policy import (
     want_more,
 )
 from pathways_ray.errors import SliceLost
+from pathways_ray.feed import HostFeed
 
 __all__ = ["DataParallelTrainer", "StepResult"]
 
@@ -78,6 +79,11 @@ class DataParallelTrainer:
     ``min_slices``, wait this long for replacements instead of raising. A new slice
     takes the parameters from a survivor; when none is left, from the latest
     snapshot, and the steps since it run again from the batches the trainer kept.
+
+    ``feed`` (a ``pathways_ray.feed.HostFeed``): the input is read on the slices'
+    hosts by sidecars, ahead of the steps, and never passes through this process;
+    call ``step()`` without a batch. Each micro-batch is read on the slice that
+    computes it (after a loss, a survivor reads the lost slice's share).
     """
 
     def __init__(self, client: Client, loss_fn: Callable, params: dict, param_specs: dict,
@@ -86,13 +92,15 @@ class DataParallelTrainer:
                  on_elastic_event: Callable[[ElasticEvent], None] | None = None,
                  grow: bool = False, grow_check_s: float = 1.0,
                  snapshot_every: int | None = DEFAULT_SNAPSHOT_EVERY,
-                 wait_for_slices_s: float = 0.0):
+                 wait_for_slices_s: float = 0.0, feed: HostFeed | None = None):
         import jax
         from jax.flatten_util import ravel_pytree
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
         self.client = client
+        self.feed = feed
+        self._feeds: dict[str, Callable] = {}  # slice -> its sidecar's batch reader
         self.live = list(slices or [s.name for s in client.slices])
         self.num_microbatches = len(self.live)
         self.target = len(self.live)
@@ -135,16 +143,24 @@ class DataParallelTrainer:
         self._host_params = params
         self.params = {s: client.device_put(params, self.param_shardings, slice=s)
                        for s in self.live}
+        if feed is not None:
+            self._batch_shape, self._batch_dtype = tuple(feed.shape), np.dtype(feed.dtype)
+            for s in self.live:
+                self._open_feed(s)
 
     @property
     def slices(self) -> list[str]:
         return list(self.live)
 
     # ---- one step ----------------------------------------------------------------
-    def step(self, batch: np.ndarray) -> StepResult:
-        """One step on the global ``batch``; survives losing slices down to min_slices."""
+    def step(self, batch: np.ndarray | None = None) -> StepResult:
+        """One step on the global ``batch`` (or on the ``feed``'s next one, read on the
+        hosts); survives losing slices down to min_slices."""
         m = self.num_microbatches
-        if len(batch) % m:
+        if (batch is None) == (self.feed is None):
+            raise ValueError("step(batch) takes a batch, or none when the trainer has a "
+                             "feed= (read on the hosts); not both, not neither")
+        if batch is not None and len(batch) % m:
             raise ValueError(f"batch of {len(batch)} rows does not split into {m} "
                              f"micro-batches (one per starting slice)")
         if self.grow:
@@ -153,9 +169,11 @@ class DataParallelTrainer:
         self._maybe_snapshot(batch)
         return result
 
-    def _run_step(self, batch: np.ndarray) -> StepResult:
-        parts = np.split(batch, self.num_microbatches)
-        self._batch_shape, self._batch_dtype = parts[0].shape, parts[0].dtype
+    def _run_step(self, batch: np.ndarray | None) -> StepResult:
+        parts = None
+        if batch is not None:
+            parts = np.split(batch, self.num_microbatches)
+            self._batch_shape, self._batch_dtype = parts[0].shape, parts[0].dtype
         while True:
             try:
                 new, losses = self._try_step(parts)
@@ -166,13 +184,12 @@ class DataParallelTrainer:
             self.steps_done += 1
             return StepResult(losses)
 
-    def _try_step(self, parts: list[np.ndarray]):
+    def _try_step(self, parts: list[np.ndarray] | None):
         """The step from ``self.params``, touching nothing of them: a failure midway
         leaves the parameters the step started from."""
         owner = assign_microbatches(self.num_microbatches, self.live)
-        vec = [self._grads(self.params[s],
-                           self.client.device_put(part, self.batch_sharding, slice=s))
-               for s, part in zip(owner, parts, strict=True)]
+        vec = [self._grads(self.params[s], self._input(s, mb, parts))
+               for mb, s in enumerate(owner)]
         here, copies = {}, []
         for s in self.live:
             here[s] = []
@@ -197,12 +214,34 @@ class DataParallelTrainer:
             self.client.block_until_ready(list(losses.values()))  # surface after it
         return new, losses
 
+    def _input(self, s: str, mb: int, parts: list[np.ndarray] | None) -> RemoteArray:
+        """Micro-batch ``mb`` of this step on slice ``s``: from the client's batch, or
+        read by the slice's hosts."""
+        if parts is not None:
+            return self.client.device_put(parts[mb], self.batch_sharding, slice=s)
+        if s not in self._feeds:
+            self._open_feed(s)
+        return self._feeds[s](self.steps_done, mb)
+
+    def _open_feed(self, s: str) -> None:
+        """Start the feed's reader on every host of slice ``s``."""
+        import jax
+
+        from pathways_ray.feed import Prefetcher
+
+        f = self.feed
+        reader = self.client.sidecar(Prefetcher, slice=s)(f.cls, f.args, f.kwargs, f.prefetch)
+        out = jax.ShapeDtypeStruct(self._batch_shape, self._batch_dtype,
+                                   sharding=self.batch_sharding)
+        self._feeds[s] = reader.get.returning(out)
+
     def _drop(self, e: SliceLost, retried: str = "step") -> None:
         lost = e.slice
         if lost not in self.live:
             raise e  # not one of ours: nothing to recover by dropping it
         self.live.remove(lost)
         self.params.pop(lost, None)
+        self._feeds.pop(lost, None)
         self.failures += 1
         self._event("slice_lost", lost, e.reason)
         waiting = self.wait_for_slices_s > 0 and len(self.live) < self.min_slices
@@ -350,6 +389,8 @@ class DataParallelTrainer:
                                        slice=name)
         v = self._grads(params, zeros)
         _, loss = self._apply(params, self._add(v, v))
+        if self.feed is not None:
+            self._open_feed(name)
         self._joining[name] = (params, loss)
         self._event("slice_joining", name, "compiling")
 

@@ -23,7 +23,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pathways_ray.commands import Command, Compile, Free, Load, Put, Reshard, Restore, Run, Save
+from pathways_ray.commands import (
+    Command,
+    Compile,
+    Free,
+    Hold,
+    Load,
+    Put,
+    Reshard,
+    Restore,
+    Run,
+    Save,
+)
 from pathways_ray.errors import PathwaysError, RemoteError
 from pathways_ray.sharding import MeshShape, Spec, shard_slices
 
@@ -35,11 +46,12 @@ __all__ = ["Executor", "Failed", "RemoteError", "assemble"]
 @dataclass(frozen=True)
 class Failed:
     """A buffer whose producing command raised: the user's program (``error`` None,
-    reported as ``RemoteError``), or the platform (``error`` is that failure)."""
+    reported as ``RemoteError``), or the platform or a sidecar (``error`` is that
+    failure, raised as it was)."""
 
     command: str
     traceback: str
-    error: PathwaysError | None = None
+    error: PathwaysError | RemoteError | None = None
 
     def exception(self) -> Exception:
         return self.error if self.error is not None else RemoteError(self.command,
@@ -75,9 +87,11 @@ def assemble(index: tuple[slice, ...], dtype: str,
 class Executor:
     """The buffer table and program cache of one chip, in one JAX world."""
 
-    def __init__(self, rank: int, pieces: Callable[[int], list[tuple[tuple[slice, ...], object]]]):
+    def __init__(self, rank: int, pieces: Callable[[int], list[tuple[tuple[slice, ...], object]]],
+                 give: Callable[[int, object], None] | None = None):
         self.rank = rank
         self._pieces = pieces  # buffer id -> this chip's (index, array) pieces
+        self._give = give  # (token, shards or the error) -> held for a sidecar
         self.buffers: dict[int, object] = {}
         self.programs: dict[str, Callable] = {}
         self.compiled: dict[str, Callable] = {}  # compiled ahead (Compile): runs at once
@@ -161,13 +175,15 @@ class Executor:
                         self._load(cmd)
                     case Compile():
                         self._compile(cmd)
+                    case Hold():
+                        self._hold(cmd)
                     case Save():
                         self._save(cmd)
                     case Restore():
                         self._restore(cmd)
                     case _:
                         raise TypeError(f"unknown command {cmd!r}")
-            except PathwaysError as e:  # the platform failed under the command
+            except (PathwaysError, RemoteError) as e:  # the platform, or a sidecar, failed
                 self._fail(cmd, Failed(_name(cmd), traceback.format_exc(), e))
             except Exception:  # noqa: BLE001 - recorded on the outputs, worker lives on
                 self._fail(cmd, Failed(_name(cmd), traceback.format_exc()))
@@ -202,6 +218,21 @@ class Executor:
             logger.info("program %s: compiled ahead (or loaded from the cache) in %.2f s",
                         cmd.fingerprint[:12], took)
         self.buffers[cmd.status] = self._scalar(np.int32(1), cmd.mesh, cmd.start)
+
+    def _hold(self, cmd: Hold) -> None:
+        """Hand this chip's shards to a sidecar call: a copy in host memory, taken at
+        this point of the stream (a later Free cannot reach it)."""
+        if self.rank - cmd.start not in cmd.ranks:
+            return
+        try:
+            values = [np.asarray(self._ok(i).addressable_data(0)) for i in cmd.buffers]
+        except Exception as e:  # noqa: BLE001 - the sidecar call raises it
+            if not isinstance(e, (PathwaysError, RemoteError)):
+                e = RemoteError(f"reading buffers {list(cmd.buffers)} for a sidecar",
+                                traceback.format_exc())
+            self._give(cmd.token, e)
+            return
+        self._give(cmd.token, values)
 
     def _scalar(self, value, mesh: MeshShape, start: int):
         """A replicated scalar over the placement: a command's status."""

@@ -77,14 +77,17 @@ class HealthMonitor:
 
     ``streams()`` yields ``(slice name, channel, number of the last batch that holds a
     Load)``;
-    ``condemn(slice name, reason)`` is called once per slice found dead or frozen.
+    ``condemn(slice name, reason)`` is called once per slice found dead or frozen;
+    ``also()`` may add verdicts of its own (``{slice name: reason}``).
     """
 
     def __init__(self, streams: Callable[[], Iterable[tuple[str, object, int]]],
                  condemn: Callable[[str, str], None], *, interval_s: float = 0.25,
-                 step_timeout_s: float, compile_timeout_s: float):
+                 step_timeout_s: float, compile_timeout_s: float,
+                 also: Callable[[], dict[str, str]] | None = None):
         self._streams = streams
         self._condemn = condemn
+        self._also = also  # more verdicts {slice: reason} (the controller's sidecar pings)
         self.interval_s = interval_s
         self.step_timeout_s = step_timeout_s
         self.compile_timeout_s = compile_timeout_s
@@ -131,6 +134,9 @@ class HealthMonitor:
                 condemned[name] = f"{ch.what}: {verdict}"
         for key in set(self._state) - seen:
             del self._state[key]
+        if self._also is not None:
+            for name, reason in self._also().items():
+                condemned.setdefault(name, reason)
         for name, reason in condemned.items():
             self._condemn(name, reason)
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
-__all__ = ["MeshShape", "normalize_spec", "shard_slices", "transfer_plan", "unique_shards"]
+__all__ = ["HostBlocks", "MeshShape", "host_blocks", "normalize_spec", "shard_slices",
+           "transfer_plan", "unique_shards"]
 
 Spec = tuple[tuple[str, ...], ...]  # per array dim: the mesh axes it is split over
 
@@ -141,4 +142,34 @@ def spread_shards(arrays: Sequence[tuple[Sequence[int], int, MeshShape, Spec]],
             nbytes = itemsize * prod(s.stop - s.start for s in block)
             load[rank] = load.get(rank, 0) + nbytes
             out.setdefault(rank, []).append((pos, block))
+    return out
+
+
+@dataclass(frozen=True)
+class HostBlocks:
+    """One host's part of an array: the bounding box of its chips' shards, its
+    distinct chip blocks, and which of them each of its chips holds."""
+
+    box: tuple[slice, ...]
+    pieces: tuple[tuple[slice, ...], ...]
+    chip_piece: dict[int, int]  # rank -> position in ``pieces``
+
+
+def host_blocks(shape: Sequence[int], mesh: MeshShape, spec: Spec,
+                hosts: Sequence[Sequence[int]]) -> list[HostBlocks]:
+    """Per host (the ranks of its chips), what of the array it holds (``HostBlocks``).
+    A host makes its box and cuts it into its pieces: a replicated array is one piece
+    per host, a batch split over the chips of a host one piece per chip."""
+    index = shard_slices(shape, mesh, spec)
+    out = []
+    for ranks in hosts:
+        pieces: list[tuple[slice, ...]] = []
+        chip_piece = {}
+        for r in ranks:
+            if index[r] not in pieces:
+                pieces.append(index[r])
+            chip_piece[r] = pieces.index(index[r])
+        box = tuple(slice(min(p[d].start for p in pieces), max(p[d].stop for p in pieces))
+                    for d in range(len(shape)))
+        out.append(HostBlocks(box, tuple(pieces), chip_piece))
     return out

@@ -18,6 +18,7 @@ Reservation goes through Ray's ``SlicePlacementGroup`` with one bundle per chip
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from pathways_ray.errors import ReservationTimeout, WaitTimeout, WorkerDied
 from pathways_ray.topology import Topology
 from pathways_ray.worker_env import ChipInfo, rank_order
 
-__all__ = ["Slice", "SliceWorker", "ping_all"]
+__all__ = ["SidecarInfo", "Slice", "SliceWorker", "ping_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,16 @@ class SliceWorker:
     info: ChipInfo
     actor_name: str
     handle: object  # ray.actor.ActorHandle
+    bundle: int = 0  # its bundle in the slice's placement group
+
+
+@dataclass(frozen=True)
+class SidecarInfo:
+    """The sidecar process of one host of a slice (``sidecar_host.SidecarHost``)."""
+
+    worker_id: int
+    ranks: tuple[int, ...]  # the slice's chips on this host
+    handle: object
 
 
 def _capacity() -> str:
@@ -64,6 +75,8 @@ class Slice:
         self.world_offset = 0  # this slice's first device in its JAX world
         self.name = workers[0].info.slice_name
         self._closed = False
+        self._sidecars: list[SidecarInfo] | None = None
+        self._sidecar_lock = threading.Lock()
 
     # ---- reservation -----------------------------------------------------------
     @classmethod
@@ -112,7 +125,9 @@ class Slice:
             spg = SlicePlacementGroup(
                 topology=topo.name,
                 accelerator_version=topo.generation.ray_version,
-                resources_per_bundle={"TPU": 1, "CPU": 1},
+                # A CPU for the chip worker, and one for host-side Python: the host's
+                # sidecar (data loading, checkpoint writing) takes one of them.
+                resources_per_bundle={"TPU": 1, "CPU": 2},
                 chips_per_vm=topo.chips_per_host,
                 strategy="STRICT_PACK" if single else "SPREAD",
                 name=f"pathways-ray-{handle_id}",
@@ -134,7 +149,8 @@ class Slice:
             raise cls._timeout(topo, timeout_s, t0) from None
         logger.info("reserved %s in %.1fs", topo.describe(), time.monotonic() - t0)
 
-        actor_cls = ray.remote(concurrency_groups={"control": 2})(worker_cls or ChipWorker)
+        actor_cls = ray.remote(concurrency_groups={"control": 2, "host": 4})(
+            worker_cls or ChipWorker)
         handles, names = [], []
         try:
             for bundle in range(spg.num_bundles):
@@ -161,7 +177,8 @@ class Slice:
                     f"chip workers of one reservation landed on several slices {slice_names}; "
                     f"this is a placement bug, please report it"
                 )
-            workers = [SliceWorker(r, infos[i], names[i], handles[i]) for r, i in enumerate(order)]
+            workers = [SliceWorker(r, infos[i], names[i], handles[i], bundle=i)
+                       for r, i in enumerate(order)]
             sl = cls(topo, spg, workers, [])
             if join_world:
                 cls._init_world([sl], worker_timeout_s, compilation_cache_dir)
@@ -272,6 +289,47 @@ class Slice:
                                                                       strict=True)]
         return _get(refs, timeout_s, f"{method} on slice {self.name}", workers=self.workers)
 
+    def sidecars(self, timeout_s: float | None = None) -> list[SidecarInfo]:
+        """The sidecar of every host (by TPU worker id), started on first use: one
+        Python process per host, in the host's first chip's bundle (its spare CPU), on
+        the same Ray node as the host's chip workers."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pathways_ray.sidecar_host import SidecarHost
+
+        with self._sidecar_lock:
+            if self._sidecars is not None:
+                return self._sidecars
+            if self._closed:
+                raise RuntimeError(f"slice {self.name} is released")
+            hosts: dict[int, list[SliceWorker]] = {}
+            for w in self.workers:
+                hosts.setdefault(w.info.worker_id, []).append(w)
+            cls = ray.remote(max_concurrency=8, max_restarts=0)(SidecarHost)
+            started = []
+            for wid, ws in sorted(hosts.items()):
+                handle = cls.options(
+                    name=f"{ws[0].actor_name}-sidecar", namespace=NAMESPACE, num_cpus=1,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._spg.slice_placement_group,
+                        placement_group_bundle_index=ws[0].bundle),
+                ).remote(self.name, wid, len(hosts), [w.rank for w in ws])
+                started.append(SidecarInfo(wid, tuple(w.rank for w in ws), handle))
+            try:
+                boundary.get([s.handle.ping.remote() for s in started],
+                             timeout=timeout_s or "worker_start",
+                             what=f"starting the sidecars of slice {self.name}",
+                             died=lambda e: WorkerDied(f"a sidecar of slice {self.name} died "
+                                                       f"as it started: {e}"))
+            except BaseException:
+                for s in started:
+                    ray.kill(s.handle)
+                raise
+            self._sidecars = started
+            logger.info("slice %s: %d sidecars started", self.name, len(started))
+            return started
+
     def shutdown(self, lost: bool = False) -> None:
         """Stop the workers and release the slice. ``lost=True``: the slice's JAX world
         is broken (a worker or host died), so the survivors are killed without leaving
@@ -295,9 +353,11 @@ class Slice:
             if late:
                 logger.info("slice %s: %d chip workers did not leave the JAX world in time",
                             self.name, late)
-        for w in self.workers:
+        with self._sidecar_lock:
+            sidecars, self._sidecars = self._sidecars or [], []
+        for h in [w.handle for w in self.workers] + [s.handle for s in sidecars]:
             try:
-                ray.kill(w.handle)
+                ray.kill(h)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._spg.shutdown()
