@@ -294,12 +294,16 @@ def _submit(fleet, script: str, *args: str, timeout_s: float = 420) -> str:
 @pytest.mark.parametrize("script, args", [
     ("train_torch_ddp.py", ["--steps", "10", "--report-every", "5"]),
     ("train_jax_lm.py", ["--mode", "single_controller", "--steps", "10"]),
+    ("sidecar_data_loading.py", ["--steps", "10"]),
 ])
 def test_examples_run_under_ray_job_submit(fleet, tmp_path, script, args):
-    logs = _submit(fleet, script, *args, "--storage-path", str(tmp_path / "runs"))
+    where = "--data-dir" if script.startswith("sidecar") else "--storage-path"
+    logs = _submit(fleet, script, *args, where, str(tmp_path / "runs"))
     final = re.search(r"final loss (\d+\.\d+) after 10 steps", logs)
     assert final, logs[-3000:]
     assert float(final.group(1)) < 3.5
+    if script.startswith("sidecar"):  # read on the hosts: no input through the client
+        assert "input bytes sent by the client: 0" in logs, logs[-2000:]
 
 
 def test_fsdp2_example_under_ray_job_submit_checkpoints(fleet, tmp_path):
