@@ -369,44 +369,37 @@ def test_lm_parity_with_single_process_run(client):
 
 
 def test_persistent_compilation_cache(client, tmp_path):
-    """A program compiled once is stored in the cache directory; a new controller with
-    fresh chip workers (new processes) loads it instead of compiling: every chip counts
+    """A program compiled once is stored in the cache directory; a second client in a new
+    process, on a fresh fleet of its own, loads it instead of compiling: every chip counts
     hits and no misses (JAX's own monitoring events), and no new entries appear.
     ``pathways-ray cache clear`` empties it and the next run misses on every chip.
     Runs last: it closes the module's client."""
+    import json
     import subprocess
     import sys
+    from pathlib import Path
 
     from pathways_ray import compile_cache
+    from tests.cache_program import run
 
     cache = str(tmp_path / "xla-cache")
-
-    def unique_program(v):
-        return jnp.cos(v) * 1.2345 + 0.5  # its own constants: a cache key of its own
-
-    def run():
-        c = connect(compilation_cache_dir=cache)
-        try:
-            mesh = c.mesh((4,), ("data",))
-            x = c.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("data")), slice=0)
-            out = c.jit(unique_program)(x).fetch()
-            np.testing.assert_allclose(out, np.cos(1.0) * 1.2345 + 0.5, rtol=1e-6)
-            return [w["compile_cache"] for w in c.stats()[c.slices[0].name]["workers"]]
-        finally:
-            c.close()
-
     client.close()  # its chip workers hold the fleet's slices
-    cold = run()
+    cold = run(cache)
     assert all(w["misses"] >= 1 for w in cold), cold
     first = compile_cache.summary(cache)
     assert first.entries >= 4, "every chip wrote its entry"
-    warm = run()
-    assert all(w["hits"] >= 1 and w["misses"] == 0 for w in warm), warm
+    script = Path(__file__).with_name("cache_program.py")
+    proc = subprocess.run([sys.executable, str(script), cache], capture_output=True,
+                          text=True, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("COUNTERS ")), None)
+    assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-3000:]
+    warm = json.loads(line.removeprefix("COUNTERS "))
+    assert len(warm) == 4 and all(w["hits"] >= 1 and w["misses"] == 0 for w in warm), warm
     assert compile_cache.summary(cache).entries == first.entries, "nothing compiled anew"
     out = subprocess.run([sys.executable, "-m", "pathways_ray.cli", "cache", "clear",
                           "--dir", cache], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and f"removed {first.entries} entries" in out.stdout, out
-    again = run()
+    again = run(cache)
     assert all(w["misses"] >= 1 and w["hits"] == 0 for w in again), again
     status = subprocess.run([sys.executable, "-m", "pathways_ray.cli", "cache", "status",
                              "--dir", cache], capture_output=True, text=True, timeout=60)
