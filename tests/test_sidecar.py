@@ -161,30 +161,37 @@ def test_host_checkpoint_round_trip(client, multi, small, tmp_path):
         host_checkpoint.restore(client, tmp_path / "nothing", like, slice=small[1])
 
 
+REFERENCE: dict = {}  # the sidecar-fed run's losses, for the kill test that follows
+
+
+def _trainer(client, cfg, slices, **kw):
+    return DataParallelTrainer(client, lambda p, b: loss_fn(p, b, cfg), init_params(cfg),
+                               param_specs(cfg), mesh_shape=(2, 2), lr=0.2, slices=slices,
+                               snapshot_every=None, **kw)
+
+
+def _feed(corpus: str, cfg: LMConfig, rows: int) -> HostFeed:
+    return HostFeed(TextBatches, (rows, cfg.seq + 1), np.int32, args=(corpus, cfg.seq, rows))
+
+
 def test_sidecar_fed_training_matches_client_fed_and_input_stays_on_hosts(client, small,
-                                                                           tmp_path):
+                                                                           tmp_path_factory):
     """The demo LM on the two 2x2 slices, data parallel: text read and tokenized on the
     hosts gives the same losses as the same batches fed by the client, and the client
     sends no input bytes (its own counter)."""
     cfg = LMConfig()
-    corpus = str(write_corpus(tmp_path / "corpus.txt"))
+    corpus = str(write_corpus(tmp_path_factory.mktemp("text") / "corpus.txt"))
     rows, steps = 8, 8  # per micro-batch; 2 micro-batches
     read = TextBatches.on_client(corpus, cfg.seq, rows)
 
-    def trainer(**kw):
-        return DataParallelTrainer(client, lambda p, b: loss_fn(p, b, cfg), init_params(cfg),
-                                   param_specs(cfg), mesh_shape=(2, 2), lr=0.2, slices=small,
-                                   snapshot_every=None, **kw)
-
-    fed = trainer()
+    fed = _trainer(client, cfg, small)
     before = client.counters["put_bytes"]
     client_losses = [fed.step(np.concatenate([read(i, 0), read(i, 1)])).mean_loss()
                      for i in range(steps)]
     batch_bytes = 2 * rows * (cfg.seq + 1) * 4
     assert client.counters["put_bytes"] - before == steps * batch_bytes
 
-    feed = HostFeed(TextBatches, (rows, cfg.seq + 1), np.int32, args=(corpus, cfg.seq, rows))
-    hosts = trainer(feed=feed)
+    hosts = _trainer(client, cfg, small, feed=_feed(corpus, cfg, rows))
     before = client.counters["put_bytes"]
     host_losses = [hosts.step().mean_loss() for _ in range(steps)]
     assert client.counters["put_bytes"] == before, "input bytes went through the client"
@@ -192,22 +199,32 @@ def test_sidecar_fed_training_matches_client_fed_and_input_stays_on_hosts(client
     assert host_losses[-1] < host_losses[0] - 0.3, host_losses
     with pytest.raises(ValueError, match="takes a batch, or none when the trainer has a feed"):
         hosts.step(np.zeros((16, cfg.seq + 1), np.int32))
+    REFERENCE.update(losses=host_losses, corpus=corpus, rows=rows)
 
 
-def test_a_killed_sidecar_loses_its_slice_with_a_named_error(client, multi, small):
-    """SIGKILL one host's sidecar: the slice is lost (as with a lost host), naming the
-    host, within seconds; other slices carry on. Runs last: it loses the 2x4 slice."""
-    pids = client.sidecar(lambda host: os.getpid(), slice=multi)().result(timeout_s=60)
-    os.kill(pids[1], signal.SIGKILL)
-    mesh = client.mesh((8,), ("data",))
-    out = jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P("data")))
-    t0 = time.monotonic()
-    with pytest.raises(SliceLost, match=rf"slice {multi} was lost \(host {multi}/1\)"):
-        for _ in range(60):  # the monitor condemns it within a second or two
-            client.sidecar(lambda host: np.zeros(4, np.float32), slice=multi).returning(out)(
-            ).fetch(timeout_s=60)
+def test_a_killed_sidecar_loses_its_slice_and_training_goes_on(client, small):
+    """SIGKILL one slice's sidecar mid-run: that slice is lost, as with a lost host, and
+    the trainer carries on with the survivor reading both micro-batches: the losses are
+    those of the uninterrupted run. The user then gets SliceLost naming the host.
+    Runs last: it loses a 2x2 slice."""
+    if not REFERENCE:
+        pytest.skip("needs the sidecar-fed run above")
+    cfg = LMConfig()
+    trainer = _trainer(client, cfg, small, feed=_feed(REFERENCE["corpus"], cfg,
+                                                       REFERENCE["rows"]))
+    losses = []
+    for i in range(len(REFERENCE["losses"])):
+        if i == 3:
+            pids = client.sidecar(lambda host: os.getpid(), slice=small[1])().result(60)
+            os.kill(pids[0], signal.SIGKILL)
+        losses.append(trainer.step().mean_loss())
+    assert trainer.slices == [small[0]]
+    lost = [e for e in trainer.events if e.kind == "slice_lost"]
+    assert len(lost) == 1 and lost[0].slice == small[1] and lost[0].step == 3, trainer.events
+    assert "sidecar" in lost[0].reason, lost[0].reason
+    np.testing.assert_allclose(losses, REFERENCE["losses"], rtol=1e-5)
+    deadline = time.monotonic() + 30
+    with pytest.raises(SliceLost, match=rf"slice {small[1]} was lost \(host {small[1]}/0\)"):
+        while time.monotonic() < deadline:  # the monitor marks it within a second or two
+            client.sidecar(where_am_i, slice=small[1])().result(60)
             time.sleep(0.5)
-    assert time.monotonic() - t0 < 30
-    x = client.device_put(np.ones(4, np.float32),
-                          NamedSharding(client.mesh((4,), ("data",)), P("data")), slice=small[0])
-    assert float(client.jit(lambda v: v.sum())(x).fetch()) == 4.0
