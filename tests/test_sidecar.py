@@ -50,7 +50,9 @@ def small(client):
 
 
 def where_am_i(host):
-    return host.worker_id, host.chips, host.num_hosts
+    """What the sidecar knows of its host, and what the Ray node it runs on says."""
+    return (host.worker_id, host.chips, host.num_hosts, os.environ.get("TPU_NAME"),
+            int(os.environ.get("TPU_WORKER_ID", "-1")))
 
 
 def rows_of(host, scale):
@@ -66,8 +68,9 @@ def test_each_host_makes_its_own_block_and_the_client_sends_no_bytes(client, mul
     """On a 2-host slice, a function's results become arrays whose shards each host made;
     the client put no array bytes anywhere. Without ``returning`` it gets each host's
     return value."""
+    # Each runs on its own host's Ray node (the emulated host's TPU env), beside its chips.
     assert client.sidecar(where_am_i, slice=multi)().result(timeout_s=60) == [
-        (0, (0, 1, 2, 3), 2), (1, (4, 5, 6, 7), 2)]
+        (0, (0, 1, 2, 3), 2, multi, 0), (1, (4, 5, 6, 7), 2, multi, 1)]
     mesh = client.mesh((8,), ("data",))
     out = (jax.ShapeDtypeStruct((16, 6), np.float32, sharding=NamedSharding(mesh, P("data"))),
            jax.ShapeDtypeStruct((8,), np.int32, sharding=NamedSharding(mesh, P("data"))))
