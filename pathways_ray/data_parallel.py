@@ -110,7 +110,7 @@ class DataParallelTrainer:
         self.failures = 0
         self.steps_done = 0
         self.grow, self.grow_check_s = grow, grow_check_s
-        self._joining: dict[str, tuple[dict, RemoteArray]] = {}  # slice -> (params, warm-up)
+        self._joining: dict[str, tuple[None, RemoteArray]] = {}  # slice -> (_, compiled)
         self._next_grow_check = 0.0
         self._asked = False  # replacements requested and not all arrived
         snapshot_due(0, snapshot_every)  # checks the setting
@@ -381,17 +381,25 @@ class DataParallelTrainer:
             self._event("slice_added", name, why)
 
     def _warm_up(self, name: str) -> None:
-        """Load and compile this trainer's programs on a new slice, off the step path:
-        one step on a batch of zeros, from the initial parameters."""
-        params = self.client.device_put(self._host_params, self.param_shardings, slice=name)
-        shape = self._batch_shape
-        zeros = self.client.device_put(np.zeros(shape, self._batch_dtype), self.batch_sharding,
-                                       slice=name)
-        v = self._grads(params, zeros)
-        _, loss = self._apply(params, self._add(v, v))
+        """Ship and compile this trainer's programs on a new slice, off the step path
+        (compiled ahead: nothing runs, no bytes are put; the persistent cache makes it a
+        load). The parameters follow from a survivor once it is done."""
+        import jax
+
+        def like(v, sharding):
+            return jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=sharding)
+
+        params = jax.tree.map(like, self._host_params, self.param_shardings)
+        batch = jax.ShapeDtypeStruct(self._batch_shape, self._batch_dtype,
+                                     sharding=self.batch_sharding)
+        grads = self._grads.lower(params, batch)
+        out = grads.program.out_sigs[0]
+        vec = jax.ShapeDtypeStruct(out.shape, np.dtype(out.dtype), sharding=self.replicated)
+        ready = [grads.compile(slice=name), self._add.lower(vec, vec).compile(slice=name),
+                 self._apply.lower(params, vec).compile(slice=name)]
         if self.feed is not None:
             self._open_feed(name)
-        self._joining[name] = (params, loss)
+        self._joining[name] = (None, ready[-1].status)  # one stream: the last is the latest
         self._event("slice_joining", name, "compiling")
 
     # ---- checkpoints to storage ------------------------------------------------------
