@@ -2,7 +2,7 @@
 
 One fleet and one client for the module. The training test runs on the two 2x2
 slices; the multi-host slice shows that each host makes exactly its own block.
-The last test kills a sidecar: it loses its slice.
+The last two kill and freeze a sidecar: each loses its slice.
 """
 
 from __future__ import annotations
@@ -31,12 +31,22 @@ MULTI = Topology.parse("v6e", "2x4", chips_per_host=4)  # 2 hosts x 4 chips
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalFleet(slices=[MULTI, "v6e-2x2", "v6e-2x2"], name="tsidecar"):
-        c = connect()
-        try:
-            yield c
-        finally:
-            c.close()
+    # A short step deadline, so that a frozen sidecar is found within seconds (the
+    # controller takes the client's PATHWAYS_RAY_* settings when it starts).
+    saved = os.environ.get("PATHWAYS_RAY_STEP_TIMEOUT_S")
+    os.environ["PATHWAYS_RAY_STEP_TIMEOUT_S"] = "4"
+    try:
+        with LocalFleet(slices=[MULTI, "v6e-2x2", "v6e-2x2"], name="tsidecar"):
+            c = connect()
+            try:
+                yield c
+            finally:
+                c.close()
+    finally:
+        if saved is None:
+            os.environ.pop("PATHWAYS_RAY_STEP_TIMEOUT_S", None)
+        else:
+            os.environ["PATHWAYS_RAY_STEP_TIMEOUT_S"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +241,26 @@ def test_a_killed_sidecar_loses_its_slice_and_training_goes_on(client, small):
         while time.monotonic() < deadline:  # the monitor marks it within a second or two
             client.sidecar(where_am_i, slice=small[1])().result(60)
             time.sleep(0.5)
+
+
+def test_a_frozen_sidecar_loses_its_slice_at_the_step_deadline(client, multi):
+    """SIGSTOP one host's sidecar: it stops answering the controller's pings, and at the
+    step deadline (4 s here) its slice is lost naming that host; a call waiting on it
+    ends with that SliceLost, never a hang. Runs last: it loses the 2x4 slice."""
+    pids = client.sidecar(lambda host: os.getpid(), slice=multi)().result(60)
+    mesh = client.mesh((8,), ("data",))
+    out = jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P("data")))
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        pending = client.sidecar(lambda host: np.zeros(4, np.float32), slice=multi
+                                 ).returning(out)()
+        with pytest.raises(SliceLost, match=rf"slice {multi} was lost \(host {multi}/1\): "
+                                            r"the sidecar on host .* did not answer"):
+            pending.fetch(timeout_s=60)
+        assert time.monotonic() - t0 < 30
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGCONT)  # killed with its slice by now, or let it go
+        except ProcessLookupError:
+            pass
