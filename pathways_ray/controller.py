@@ -100,6 +100,7 @@ class Controller:
         self._obj_seq: dict[int, int] = {}  # sidecar object -> number of calls sent to it
         self._replies: OrderedDict[int, list] = OrderedDict()  # sidecar call -> host results
         self._sidecar_pings: dict[str, tuple[float, list]] = {}  # slice -> (sent, refs)
+        self._sidecars_used = False
 
     def start(self) -> list[dict]:
         """Reserve the slices, start their workers, open the command streams; returns
@@ -231,6 +232,7 @@ class Controller:
         if len(p.slices) != 1:
             raise ValueError(f"slice={where!r} spans several slices; a sidecar runs on the "
                              f"hosts of one slice")
+        self._sidecars_used = True  # replacements start theirs before they join
         return len(p.slices[0].sidecars())
 
     def _host_call(self, p: Placement, call: HostCall) -> list[Command]:
@@ -407,7 +409,10 @@ class Controller:
         s = Slice.reserve(topo, timeout_s=reserve_timeout_s, compilation_cache_dir=cache_dir,
                           worker_cls=self.worker_cls, track=self._replacement_pgs)
         try:
-            return s, self._open_streams(s)
+            channels = self._open_streams(s)
+            if self._sidecars_used:  # off the step path: the trainer's feed opens at once
+                s.sidecars()
+            return s, channels
         except BaseException:
             s.shutdown()
             raise

@@ -218,20 +218,22 @@ def test_sidecar_fed_training_matches_client_fed_and_input_stays_on_hosts(client
 def test_a_killed_sidecar_loses_its_slice_and_training_goes_on(client, small):
     """SIGKILL one slice's sidecar mid-run: that slice is lost, as with a lost host, and
     the trainer carries on with the survivor reading both micro-batches: the losses are
-    those of the uninterrupted run. The user then gets SliceLost naming the host.
-    Runs last: it loses a 2x2 slice."""
+    those of the uninterrupted run. The user then gets SliceLost naming the host. The
+    slice's hosts are fine, so a replacement is reserved there (its sidecars started
+    with it), compiled ahead and added, and reads its own input again.
+    Runs last but one: it loses a 2x2 slice."""
     if not REFERENCE:
         pytest.skip("needs the sidecar-fed run above")
     cfg = LMConfig()
     trainer = _trainer(client, cfg, small, feed=_feed(REFERENCE["corpus"], cfg,
-                                                       REFERENCE["rows"]))
+                                                       REFERENCE["rows"]),
+                       grow=True, grow_check_s=0.5)
     losses = []
     for i in range(len(REFERENCE["losses"])):
         if i == 3:
             pids = client.sidecar(lambda host: os.getpid(), slice=small[1])().result(60)
             os.kill(pids[0], signal.SIGKILL)
         losses.append(trainer.step().mean_loss())
-    assert trainer.slices == [small[0]]
     lost = [e for e in trainer.events if e.kind == "slice_lost"]
     assert len(lost) == 1 and lost[0].slice == small[1] and lost[0].step == 3, trainer.events
     assert "sidecar" in lost[0].reason, lost[0].reason
@@ -241,6 +243,15 @@ def test_a_killed_sidecar_loses_its_slice_and_training_goes_on(client, small):
         while time.monotonic() < deadline:  # the monitor marks it within a second or two
             client.sidecar(where_am_i, slice=small[1])().result(60)
             time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while len(trainer.slices) < 2 and time.monotonic() < deadline:
+        losses.append(trainer.step().mean_loss())
+    assert len(trainer.slices) == 2, trainer.events
+    new = trainer.slices[1]
+    assert new.startswith(small[1] + "."), new  # the same hosts, a new slice
+    before = client.counters["put_bytes"]
+    losses += [trainer.step().mean_loss() for _ in range(2)]  # micro-batch 1 read there
+    assert client.counters["put_bytes"] == before and np.isfinite(losses).all()
 
 
 def test_a_frozen_sidecar_loses_its_slice_at_the_step_deadline(client, multi):
