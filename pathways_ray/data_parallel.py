@@ -143,9 +143,10 @@ class DataParallelTrainer:
         self._host_params = params
         self.params = {s: client.device_put(params, self.param_shardings, slice=s)
                        for s in self.live}
-        if feed is not None:
+        if feed is not None:  # shapes known now: compile ahead while the job sets up
             self._batch_shape, self._batch_dtype = tuple(feed.shape), np.dtype(feed.dtype)
             for s in self.live:
+                self._compile_on(s)
                 self._open_feed(s)
 
     @property
@@ -382,8 +383,17 @@ class DataParallelTrainer:
 
     def _warm_up(self, name: str) -> None:
         """Ship and compile this trainer's programs on a new slice, off the step path
-        (compiled ahead: nothing runs, no bytes are put; the persistent cache makes it a
-        load). The parameters follow from a survivor once it is done."""
+        (nothing runs, no bytes are put; the persistent cache makes it a load). The
+        parameters follow from a survivor once it is done."""
+        ready = self._compile_on(name)
+        if self.feed is not None:
+            self._open_feed(name)
+        self._joining[name] = (None, ready.status)
+        self._event("slice_joining", name, "compiling")
+
+    def _compile_on(self, name: str):
+        """Compile the step's three programs on slice ``name`` ahead of their first run;
+        returns the last (one stream: when it is done, all are)."""
         import jax
 
         def like(v, sharding):
@@ -395,12 +405,9 @@ class DataParallelTrainer:
         grads = self._grads.lower(params, batch)
         out = grads.program.out_sigs[0]
         vec = jax.ShapeDtypeStruct(out.shape, np.dtype(out.dtype), sharding=self.replicated)
-        ready = [grads.compile(slice=name), self._add.lower(vec, vec).compile(slice=name),
-                 self._apply.lower(params, vec).compile(slice=name)]
-        if self.feed is not None:
-            self._open_feed(name)
-        self._joining[name] = (None, ready[-1].status)  # one stream: the last is the latest
-        self._event("slice_joining", name, "compiling")
+        grads.compile(slice=name)
+        self._add.lower(vec, vec).compile(slice=name)
+        return self._apply.lower(params, vec).compile(slice=name)
 
     # ---- checkpoints to storage ------------------------------------------------------
     def save(self, path, *, timeout_s: float | None = None) -> int:
