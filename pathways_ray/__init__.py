@@ -36,6 +36,7 @@ _LAZY = {
     "Slice": "pathways_ray.slice",
     "Host": "pathways_ray.sidecar",
     "HostArray": "pathways_ray.sidecar",
+    "HostFeed": "pathways_ray.feed",
 }
 # Names of earlier releases, still served from their modules; not in __all__.
 _MOVED = {
@@ -57,6 +58,7 @@ __all__ = [
     "FleetError",
     "Host",
     "HostArray",
+    "HostFeed",
     "LocalFleet",
     "PathwaysError",
     "RemoteArray",
