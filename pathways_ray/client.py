@@ -239,12 +239,12 @@ class Client:
         from pathways_ray.sidecar import HostResults, build_call
 
         self._check(target)
-        call, handles, keep = build_call(self, target, spec, args, kwargs, out)
+        call, handles = build_call(self, target, spec, args, kwargs, out)
         self._queue.enqueue(target, call)
         self.counters["sidecar_calls"] += 1
         if out is not None:
             return handles
-        return HostResults(self, target, call.reply, spec["name"], keep)
+        return HostResults(self, target, call.reply, spec["name"])
 
     def _host_results(self, target: str, reply: int, timeout_s: float | None, what: str):
         self._sync(target)

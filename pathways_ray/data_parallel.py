@@ -110,7 +110,7 @@ class DataParallelTrainer:
         self.failures = 0
         self.steps_done = 0
         self.grow, self.grow_check_s = grow, grow_check_s
-        self._joining: dict[str, tuple[None, RemoteArray]] = {}  # slice -> (_, compiled)
+        self._joining: dict[str, RemoteArray] = {}  # slice -> its compile-ahead status
         self._next_grow_check = 0.0
         self._asked = False  # replacements requested and not all arrived
         snapshot_due(0, snapshot_every)  # checks the setting
@@ -369,7 +369,7 @@ class DataParallelTrainer:
             if missing or self._asked:
                 self.client.request_slices(missing)
                 self._asked = bool(missing)
-        for name, (_, warm) in list(self._joining.items()):
+        for name, warm in list(self._joining.items()):
             try:
                 if not warm.is_ready():
                     continue
@@ -388,7 +388,7 @@ class DataParallelTrainer:
         ready = self._compile_on(name)
         if self.feed is not None:
             self._open_feed(name)
-        self._joining[name] = (None, ready.status)
+        self._joining[name] = ready.status
         self._event("slice_joining", name, "compiling")
 
     def _compile_on(self, name: str):

@@ -51,9 +51,8 @@ _objects = itertools.count(1)
 class HostResults:
     """What each host's call returned, in TPU worker id order (``result()``)."""
 
-    def __init__(self, client: Client, slice_name: str, reply: int, name: str, keep: list):
+    def __init__(self, client: Client, slice_name: str, reply: int, name: str):
         self._client, self._slice, self._reply, self._name = client, slice_name, reply, name
-        self._keep = keep  # the arguments stay alive until the call is read
         self._value: list | None = None
 
     def result(self, timeout_s: float | None = None) -> list:
@@ -61,7 +60,6 @@ class HostResults:
         if self._value is None:
             self._value = self._client._host_results(self._slice, self._reply, timeout_s,
                                                      f"sidecar {self._name}")
-            self._keep = []
         return self._value
 
 
@@ -169,14 +167,14 @@ def _out_leaves(out, chips: int, name: str) -> list:
 
 
 def build_call(client: Client, target: str, spec: dict, args: tuple, kwargs: dict, out):
-    """The ``HostCall`` for a call, the output handles (a pytree) and the arguments to
-    keep alive. ``RemoteArray`` arguments (at the top level, or in a list, tuple or
-    dict) become the host's shards; everything else is pickled as is."""
+    """The ``HostCall`` for a call and its output handles (a pytree, or None).
+    ``RemoteArray`` arguments (at the top level, or in a list, tuple or dict) become
+    the host's shards, copied at this point of the slice's stream (``Hold``), so the
+    caller may drop them at once; everything else is pickled as is."""
     import jax
     import numpy as np
 
     inputs: list[tuple] = []
-    keep: list[RemoteArray] = []
 
     def sub(v):
         if isinstance(v, RemoteArray):
@@ -184,7 +182,6 @@ def build_call(client: Client, target: str, spec: dict, args: tuple, kwargs: dic
                 raise ValueError(f"sidecar {spec['name']} runs on slice {target}; argument "
                                  f"{v!r} lives on {v.slice}: move it with "
                                  f"pathways_ray.reshard(x, sharding, slice={target!r})")
-            keep.append(v)
             inputs.append((v._id, v.shape, v.dtype.name, v.mesh, v.spec))
             return _Arg(len(inputs) - 1)
         if isinstance(v, (list, tuple)) and any(isinstance(x, RemoteArray) for x in v):
@@ -208,4 +205,4 @@ def build_call(client: Client, target: str, spec: dict, args: tuple, kwargs: dic
         handles = jax.tree.unflatten(jax.tree.structure(out), arrays)
     reply = 0 if out is not None else next(client._ids)
     spec["reply"] = bool(reply)
-    return HostCall(spec, tuple(inputs), tuple(puts), reply), handles, keep
+    return HostCall(spec, tuple(inputs), tuple(puts), reply), handles
