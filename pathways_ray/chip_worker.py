@@ -270,11 +270,13 @@ class ChipWorker:
         self._after(after)
         return [self.executor.local_shard(i) for i in buffer_ids]
 
-    @ray.method(num_returns=2)
-    def checked_shard(self, buffer_id: int, after: int = 0) -> tuple[bool, np.ndarray]:
-        """``(True, shard)`` as two objects: a caller can wait for the small first one
-        to learn that the shard exists (or why not) without pulling the shard."""
-        return True, self.shard(buffer_id, after)
+    def put_shard(self, buffer_id: int, after: int = 0) -> list:
+        """``[ref]``: this chip's shard, put in this host's object store (owned here).
+
+        For a transfer to another slice: the caller passes the ref on and never holds
+        the bytes, where a returned array under Ray's inline limit (100 KiB) would
+        travel to the caller and be read from there. Raises if the buffer failed."""
+        return [ray.put(self.shard(buffer_id, after))]
 
     def ready(self, buffer_ids: list[int], after: int = 0) -> bool:
         """True once the buffers are computed; raises the remote error if one failed."""

@@ -372,10 +372,10 @@ class Controller:
         """Copy an array to another slice as ``put`` (a new buffer there), shard by shard,
         worker to worker.
 
-        Each unique source shard becomes one object ref (the source worker's
-        ``checked_shard``); each destination chip gets the refs that overlap its
-        block and assembles it. Only refs pass through here. The small status
-        object of each shard is awaited first: a source slice that died, or a
+        Each unique source shard becomes one object in its source host's store (the
+        source worker's ``put_shard``); each destination chip gets the refs that
+        overlap its block, pulls them from those hosts and assembles its block. Only
+        refs pass through here, whatever the size. A source slice that died, or a
         source buffer whose program failed, raises here (``SliceLost``,
         ``RemoteError``) and nothing reaches the destination.
         """
@@ -384,11 +384,12 @@ class Controller:
         src_index, sources, needs = transfer_plan(put.shape, src_mesh, src_spec, put.mesh,
                                                   put.spec)
         workers, sent = sp.workers, self._sent(sp)
-        refs = {r: workers[r].handle.checked_shard.remote(src_id, sent[r]) for r in sources}
-        boundary.get([refs[r][0] for r in sources], timeout="fetch",
-                     what=f"the shards of buffer {src_id} on {src}",
-                     died=lambda e: self.report_lost(src, boundary.death_summary(e)))
-        pieces = [[(refs[r][1], src_index[r]) for r in rs] for rs in needs]
+        got = boundary.get([workers[r].handle.put_shard.remote(src_id, sent[r])
+                            for r in sources], timeout="fetch",
+                           what=f"the shards of buffer {src_id} on {src}",
+                           died=lambda e: self.report_lost(src, boundary.death_summary(e)))
+        refs = {r: box[0] for r, box in zip(sources, got, strict=True)}
+        pieces = [[(refs[r], src_index[r]) for r in rs] for rs in needs]
         self.submit(dst, [replace(put, pieces=pieces)], source=src)
 
     # ---- growing back -------------------------------------------------------------
