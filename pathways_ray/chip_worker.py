@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
@@ -68,6 +69,7 @@ class ChipWorker:
         # buffer id -> (this chip's (ref, index) pieces, the slice they come from or None)
         self._staged: dict[int, tuple[list, str | None]] = {}
         self._staged_cond = threading.Condition()
+        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self._held: dict[int, object] = {}  # token -> shards (or the error) for a sidecar
         self._cache_counter = None  # this process's compilation cache lookups
 
@@ -200,14 +202,21 @@ class ChipWorker:
         return self._channel.address, self._channel.token
 
     @ray.method(concurrency_group="control")
-    def stage(self, buffer_id: int, pieces: list, source: str | tuple | None = None) -> None:
-        """Hand over the object refs a later ``put`` in the stream assembles this
-        chip's shard from (refs travel by Ray call so Ray tracks who holds them).
-        ``source`` names the slice they come from (a cross-slice reshard), or the
-        ``(slice, host)`` of the sidecar that returns them."""
+    def stage(self, buffers: dict[int, list], source: str | tuple | None = None) -> None:
+        """Hand over, per buffer id, the object refs a later ``put`` in the stream
+        assembles this chip's shard from (refs travel by Ray call so Ray tracks who
+        holds them). ``source`` names the slice they come from (a cross-slice
+        reshard), or the ``(slice, host)`` of the sidecar that returns them."""
         with self._staged_cond:
-            self._staged[buffer_id] = (pieces, source)
+            for buffer_id, pieces in buffers.items():
+                self._staged[buffer_id] = (pieces, source)
             self._staged_cond.notify_all()
+        # Pull them to this host now, all at once, while the stream runs what comes
+        # before their puts (one by one, each put would wait for its own pull).
+        refs = [ref for pieces in buffers.values() for ref, _ in pieces]
+        if refs:
+            self._prefetch.submit(ray.wait, refs, num_returns=len(refs),
+                                  timeout=timeout_s("stream"), fetch_local=True)
 
     def _take_pieces(self, buffer_id: int) -> list:
         wait_s = timeout_s("stream")
@@ -270,13 +279,15 @@ class ChipWorker:
         self._after(after)
         return [self.executor.local_shard(i) for i in buffer_ids]
 
-    def put_shard(self, buffer_id: int, after: int = 0) -> list:
-        """``[ref]``: this chip's shard, put in this host's object store (owned here).
+    def put_shards(self, buffer_ids: list[int], after: int = 0) -> list:
+        """One ref per buffer: this chip's shard, put in this host's object store
+        (owned here).
 
-        For a transfer to another slice: the caller passes the ref on and never holds
-        the bytes, where a returned array under Ray's inline limit (100 KiB) would
-        travel to the caller and be read from there. Raises if the buffer failed."""
-        return [ray.put(self.shard(buffer_id, after))]
+        For a transfer to another slice: the caller passes the refs on and never
+        holds the bytes, where a returned array under Ray's inline limit (100 KiB)
+        would travel to the caller and be read from there. Raises if a buffer failed."""
+        self._after(after)
+        return [ray.put(self.executor.local_shard(i)) for i in buffer_ids]
 
     def ready(self, buffer_ids: list[int], after: int = 0) -> bool:
         """True once the buffers are computed; raises the remote error if one failed."""

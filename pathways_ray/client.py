@@ -346,31 +346,53 @@ class Client:
                 added.append(info.name)
         return added
 
-    def reshard(self, x: RemoteArray, sharding, slice: str | int | None = None) -> RemoteArray:
-        """``x`` with another sharding, on its slice or on ``slice``.
+    def reshard(self, x, sharding, slice: str | int | None = None):
+        """``x`` (an array or a pytree of them) with another sharding, on its slice or
+        on ``slice``. ``sharding``: one for every array, or a matching pytree.
 
-        Across slices the shards travel worker to worker as object refs. If ``x``'s
-        slice is gone this raises ``SliceLost`` naming it, and nothing is created on
-        the destination."""
-        target = self.slice(slice) if slice is not None else self.slice(x.slice)
-        mesh, spec = spec_of(sharding, x.ndim)
-        if mesh.size != target.chips:
-            raise ValueError(f"the mesh has {mesh.size} devices; slice {target.name} has "
-                             f"{target.chips} chips")
-        out = RemoteArray(self, next(self._ids), target.name, x.shape, x.dtype, mesh, spec)
-        if target.name == x.slice:
-            self._queue.enqueue(target.name, Reshard(x._id, out._id, spec, mesh))
-            return out
-        self._sync(x.slice)
-        self._sync(target.name)
-        put = Put(out._id, tuple(x.shape), x.dtype.name, spec, mesh)
+        Across slices the shards travel worker to worker as object refs, all the
+        arrays from one slice in one message. If a source slice is gone this raises
+        ``SliceLost`` naming it, and nothing is created on the destination."""
+        import jax
+
+        leaves, treedef = jax.tree.flatten(x)
+        shardings = jax.tree.leaves(sharding, is_leaf=lambda s: hasattr(s, "spec"))
+        if len(shardings) == 1 and len(leaves) > 1:
+            shardings = shardings * len(leaves)
+        if len(shardings) != len(leaves):
+            raise ValueError(f"sharding has {len(shardings)} leaves for {len(leaves)} arrays; "
+                             f"give one sharding, or a pytree matching x")
+        target = self.slice(slice) if slice is not None else None
+        out, moves = [], {}  # source slice -> [(array, its copy)]
+        for a, sh in zip(leaves, shardings, strict=True):
+            if not isinstance(a, RemoteArray):
+                raise TypeError(f"reshard takes RemoteArrays, got {type(a).__name__}; "
+                                f"use device_put for host arrays")
+            where = target or self.slice(a.slice)
+            mesh, spec = spec_of(sh, a.ndim)
+            if mesh.size != where.chips:
+                raise ValueError(f"the mesh has {mesh.size} devices; slice {where.name} has "
+                                 f"{where.chips} chips")
+            b = RemoteArray(self, next(self._ids), where.name, a.shape, a.dtype, mesh, spec)
+            if where.name == a.slice:
+                self._queue.enqueue(where.name, Reshard(a._id, b._id, spec, mesh))
+            else:
+                moves.setdefault(a.slice, []).append((a, b))
+            out.append(b)
+        for src, pairs in moves.items():
+            self._transfer(src, target.name, pairs)
+        return out[0] if isinstance(x, RemoteArray) else jax.tree.unflatten(treedef, out)
+
+    def _transfer(self, src: str, dst: str, pairs: list[tuple[RemoteArray, RemoteArray]]):
+        self._sync(src)
+        self._sync(dst)
+        items = [(a._id, a.mesh, a.spec, Put(b._id, tuple(b.shape), b.dtype.name, b.spec, b.mesh))
+                 for a, b in pairs]
         try:
-            self._call("transfer", x.slice, x._id, x.mesh, x.spec, target.name, put,
-                       timeout="fetch", where=x.slice)
+            self._call("transfer", src, dst, items, timeout="fetch", where=src)
         except SliceLost as e:
-            self._queue.record(target.name if e.slice == target.name else x.slice, e)
+            self._queue.record(dst if e.slice == dst else src, e)
             raise
-        return out
 
     def stats(self) -> dict:
         self.flush()

@@ -196,6 +196,7 @@ class Controller:
         p = self._place(where)
         batch: list[Command] = []
         live, loaded = self.arrays[where], self.loaded[where]
+        staged: list[dict[int, list]] = [{} for _ in p.workers]  # per worker: buffer -> refs
         for cmd in commands:
             match cmd:
                 case Run(fingerprint=fp) | Compile(fingerprint=fp) if fp not in loaded:
@@ -203,8 +204,8 @@ class Controller:
                     loaded.add(fp)
                     self.loads_sent[where] += 1
                 case Put(pieces=pieces) if pieces is not None:
-                    for w, mine in zip(p.workers, pieces, strict=True):  # each its own block
-                        w.handle.stage.remote(cmd.buffer, mine, source)
+                    for to_worker, mine in zip(staged, pieces, strict=True):  # own blocks
+                        to_worker[cmd.buffer] = mine
                 case Free():
                     live.difference_update(cmd.buffers)
                 case HostCall():
@@ -213,6 +214,9 @@ class Controller:
                     continue
             live.update(cmd.writes)
             batch.append(placed(cmd, p.start))
+        for w, buffers in zip(p.workers, staged, strict=True):  # one call per chip
+            if buffers:
+                w.handle.stage.remote(buffers, source)
         payload = dumps(batch)
         loads = any(isinstance(c, (Load, Compile)) for c in batch)  # compile deadline
         # Backpressure: a client that issues work faster than the slice runs it waits here.
@@ -293,7 +297,7 @@ class Controller:
         for put, per_chip in zip(call.outputs, pieces, strict=True):
             for w, mine in zip(sl.workers, per_chip, strict=True):
                 host = next(h for h in hosts if w.rank in h.ranks)
-                w.handle.stage.remote(put.buffer, mine, (sl.name, f"{sl.name}/{host.worker_id}"))
+                w.handle.stage.remote({put.buffer: mine}, (sl.name, f"{sl.name}/{host.worker_id}"))
             out.append(placed(put, p.start))
         return out
 
@@ -367,30 +371,38 @@ class Controller:
         return [w.handle.ready.remote(buffer_ids, n)
                 for w, n in zip(p.workers, self._sent(p), strict=True)]
 
-    def transfer(self, src: str, src_id: int, src_mesh: MeshShape, src_spec, dst: str,
-                 put: Put) -> None:
-        """Copy an array to another slice as ``put`` (a new buffer there), shard by shard,
-        worker to worker.
+    def transfer(self, src: str, dst: str,
+                 items: list[tuple[int, MeshShape, tuple, Put]]) -> None:
+        """Copy arrays to another slice, each ``(source buffer id, its mesh, its spec,
+        put)`` becoming ``put`` (a new buffer there), shard by shard, worker to worker.
 
-        Each unique source shard becomes one object in its source host's store (the
-        source worker's ``put_shard``); each destination chip gets the refs that
-        overlap its block, pulls them from those hosts and assembles its block. Only
-        refs pass through here, whatever the size. A source slice that died, or a
-        source buffer whose program failed, raises here (``SliceLost``,
-        ``RemoteError``) and nothing reaches the destination.
+        Each unique source shard becomes one object in its source host's store (one
+        ``put_shards`` call per source worker for all the arrays); each destination
+        chip gets the refs that overlap its blocks, pulls them from those hosts and
+        assembles its blocks. Only refs pass through here, whatever the size. A
+        source slice that died, or a source buffer whose program failed, raises here
+        (``SliceLost``, ``RemoteError``) and nothing reaches the destination.
         """
         sp = self._place(src)
         self._place(dst)
-        src_index, sources, needs = transfer_plan(put.shape, src_mesh, src_spec, put.mesh,
-                                                  put.spec)
+        plans = [transfer_plan(put.shape, mesh, spec, put.mesh, put.spec)
+                 for _, mesh, spec, put in items]
+        wanted: dict[int, list[int]] = {}  # source rank -> the items it sends a shard of
+        for i, (_, sources, _) in enumerate(plans):
+            for r in sources:
+                wanted.setdefault(r, []).append(i)
         workers, sent = sp.workers, self._sent(sp)
-        got = boundary.get([workers[r].handle.put_shard.remote(src_id, sent[r])
-                            for r in sources], timeout="fetch",
-                           what=f"the shards of buffer {src_id} on {src}",
+        got = boundary.get([workers[r].handle.put_shards.remote(
+                                [items[i][0] for i in idx], sent[r])
+                            for r, idx in wanted.items()], timeout="fetch",
+                           what=f"the shards of {len(items)} buffers on {src}",
                            died=lambda e: self.report_lost(src, boundary.death_summary(e)))
-        refs = {r: box[0] for r, box in zip(sources, got, strict=True)}
-        pieces = [[(refs[r], src_index[r]) for r in rs] for rs in needs]
-        self.submit(dst, [replace(put, pieces=pieces)], source=src)
+        refs = {(i, r): ref for (r, idx), boxes in zip(wanted.items(), got, strict=True)
+                for i, ref in zip(idx, boxes, strict=True)}
+        puts = [replace(put, pieces=[[(refs[i, r], src_index[r]) for r in rs] for rs in needs])
+                for i, ((*_, put), (src_index, _, needs)) in enumerate(zip(items, plans,
+                                                                           strict=True))]
+        self.submit(dst, puts, source=src)
 
     # ---- growing back -------------------------------------------------------------
     def grow(self, count: int) -> None:

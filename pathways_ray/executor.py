@@ -62,10 +62,16 @@ def assemble(index: tuple[slice, ...], dtype: str,
              pieces: list[tuple[tuple[slice, ...], np.ndarray]]) -> np.ndarray:
     """Build the block ``index`` of an array from pieces that cover it."""
     shape = tuple(s.stop - s.start for s in index)
-    if len(pieces) == 1 and pieces[0][0] == index and pieces[0][1].shape == shape:
-        # The common case (same sharding on both sides): the piece is the block; the
-        # device_put that follows makes the one copy this needs.
-        return np.asarray(pieces[0][1]).astype(dtype, copy=False)
+    for piece_index, data in pieces:
+        if all(b.start <= a.start and a.stop <= b.stop
+               for a, b in zip(index, piece_index, strict=True)):
+            # One piece holds the whole block (the same sharding on both sides, or a
+            # finer one here): a view of it; the device_put that follows makes the one
+            # copy this needs.
+            view = np.asarray(data)[tuple(slice(a.start - b.start, a.stop - b.start)
+                                          for a, b in zip(index, piece_index, strict=True))]
+            if view.shape == shape:  # else (a host's scalar as [x], say) copied below
+                return view.astype(dtype, copy=False)
     out = np.empty(shape, dtype=dtype)
     covered = 0
     for piece_index, data in pieces:
@@ -77,7 +83,7 @@ def assemble(index: tuple[slice, ...], dtype: str,
                     for low, high, a in zip(lo, hi, index, strict=True))
         src = tuple(slice(low - b.start, high - b.start)
                     for low, high, b in zip(lo, hi, piece_index, strict=True))
-        out[dst] = data[src]
+        out[dst] = np.reshape(data[src], out[dst].shape)  # a host's [x] for a scalar
         covered += int(np.prod([high - low for low, high in zip(lo, hi, strict=True)]))
     if covered < out.size:
         raise ValueError(f"pieces cover {covered} of the {out.size} elements of block {index}")

@@ -16,6 +16,20 @@ def test_one_exact_piece_is_used_as_is():
     np.testing.assert_array_equal(out, x)
 
 
+def test_a_block_inside_one_piece_is_a_view_of_it():
+    """A finer sharding here (a quarter of the columns from a half): no copy yet."""
+    half = np.arange(32, dtype=np.float32).reshape(4, 8)  # columns 8..16 of a 4x16 array
+    block = (slice(0, 4), slice(12, 16))
+    out = assemble(block, "float32", [((slice(0, 4), slice(8, 16)), half)])
+    assert np.shares_memory(out, half)
+    np.testing.assert_array_equal(out, half[:, 4:8])
+
+
+def test_a_scalar_from_a_host_as_one_element_is_copied_into_shape():
+    out = assemble((), "int32", [((), np.array([7], np.int32))])
+    assert out.shape == () and int(out) == 7
+
+
 def test_pieces_from_another_sharding_compose_the_block():
     full = np.arange(64, dtype=np.int32).reshape(8, 8)
     rows = [((slice(r, r + 2), slice(0, 8)), full[r:r + 2]) for r in range(0, 8, 2)]
