@@ -306,6 +306,17 @@ def test_examples_run_under_ray_job_submit(fleet, tmp_path, script, args):
         assert "input bytes sent by the client: 0" in logs, logs[-2000:]
 
 
+def test_rl_loop_example_under_ray_job_submit(fleet, tmp_path):
+    """The RL loop runs as a Ray job on two of the cluster's slices; weights and
+    rollouts never pass through the client; it draws its reward curve."""
+    logs = _submit(fleet, "rl_loop.py", "--iterations", "6", "--rows", "8",
+                   "--out", str(tmp_path / "rl"))
+    done = re.search(r"mean reward (-?\d+\.\d+) -> (-?\d+\.\d+) after 6 iterations", logs)
+    assert done, logs[-3000:]
+    assert "through the client: 0 bytes sent, 24 bytes fetched" in logs, logs[-2000:]
+    assert (tmp_path / "rl" / "reward.png").stat().st_size > 10_000
+
+
 def test_fsdp2_example_under_ray_job_submit_checkpoints(fleet, tmp_path):
     """FSDP2 trains and writes a sharded checkpoint that loads into one process."""
     logs = _submit(fleet, "train_torch_fsdp2.py", "--steps", "10", "--report-every", "5",
