@@ -8,6 +8,7 @@ pickled by value) and, in the last tests, as real `ray job submit` jobs.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -315,6 +316,20 @@ def test_rl_loop_example_under_ray_job_submit(fleet, tmp_path):
     assert done, logs[-3000:]
     assert "through the client: 0 bytes sent, 24 bytes fetched" in logs, logs[-2000:]
     assert (tmp_path / "rl" / "reward.png").stat().st_size > 10_000
+
+
+def test_2d_fsdp2_x_tensor_parallel_matches_one_process(fleet, tmp_path):
+    """FSDP2 across 2 slices x tensor parallel over the 4 chips of each (a 2-D
+    DeviceMesh built from the workers' slices), under ray job submit: its losses match
+    one process training the same model on the same batches (rtol 1e-5)."""
+    logs = _submit(fleet, "train_torch_2d.py", "--steps", "5", "--storage-path",
+                   str(tmp_path / "runs"))
+    assert "(FSDP2 over 2 slices x tensor parallel over 4 chips)" in logs, logs[-3000:]
+    got = json.loads(re.search(r"^losses (\[.*\])$", logs, re.M).group(1))
+    ex = load_example("train_torch_2d")
+    want = ex.reference_losses({"seed": 0, "steps": 5, "batch": 32, "seq": 32, "lr": 3e-3})
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert want[-1] < want[0] - 0.5  # it trains
 
 
 def test_fsdp2_example_under_ray_job_submit_checkpoints(fleet, tmp_path):

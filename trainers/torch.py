@@ -30,7 +30,7 @@ from ray.train.v2.torch.torch_trainer import TorchTrainer as _RayTorchTrainer
 
 from pathways_ray.trainers._ray_train import TpuControllerMixin, tpu_plan
 
-__all__ = ["TorchTrainer", "TpuTorchConfig", "get_device", "runtime"]
+__all__ = ["TorchTrainer", "TpuTorchConfig", "get_device", "runtime", "slice_mesh"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,30 @@ def get_device():
 
         return torch_xla.device()
     return torch.device("cpu")
+
+
+def slice_mesh(mesh_dim_names: tuple[str, str] = ("slices", "chips")):
+    """A 2-D ``DeviceMesh`` of the run's workers: one row per slice, the chips of a slice
+    along the second dimension (e.g. ``("dp", "tp")``: data parallel across slices,
+    tensor parallel over the chips of a slice, whose links are the fast ones).
+
+    Call it on every worker once the process group exists (inside the train loop).
+    Rows follow each worker's ``TPU_NAME``, so the mesh is right however the ranks
+    were numbered; slices of different sizes raise ``ValueError`` naming them."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, os.environ.get("TPU_NAME", ""))
+    rows: dict[str, list[int]] = {}
+    for rank, name in enumerate(names):
+        rows.setdefault(name, []).append(rank)
+    sizes = {name: len(ranks) for name, ranks in rows.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"slice_mesh needs slices of one size; workers per slice: {sizes}")
+    return DeviceMesh(get_device().type, torch.tensor(list(rows.values())),
+                      mesh_dim_names=tuple(mesh_dim_names))
 
 
 @dataclass

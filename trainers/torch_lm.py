@@ -13,7 +13,8 @@ from torch import nn
 
 from pathways_ray.demo.lm import MarkovText
 
-__all__ = ["TinyLM", "global_batch", "lm_loss", "shard_rows", "train_step"]
+__all__ = ["TPLM", "TinyLM", "global_batch", "lm_loss", "shard_rows", "tensor_parallel_plan",
+           "train_step"]
 
 
 class TinyLM(nn.Module):
@@ -36,6 +37,64 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x, src_mask=self.mask[:t, :t], is_causal=True)
         return self.out(x)
+
+
+class _Block(nn.Module):
+    """Pre-norm attention + MLP of plain ``nn.Linear``s, so tensor parallelism can split
+    them: heads follow the local width of ``wq`` (all heads in one process, a share of
+    them under ``ColwiseParallel``)."""
+
+    def __init__(self, d_model: int, heads: int, d_ff: int):
+        super().__init__()
+        self.head_dim = d_model // heads
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d_model, d_model, bias=False)
+                                              for _ in range(4))
+        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (w(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, t, -1))
+        return x + self.w2(nn.functional.gelu(self.w1(self.ln2(x))))
+
+
+class TPLM(nn.Module):
+    """``TinyLM``'s shape, built for tensor parallelism (``tensor_parallel_plan``)."""
+
+    def __init__(self, vocab: int = 64, seq: int = 32, d_model: int = 64, heads: int = 4,
+                 layers: int = 2, d_ff: int = 256):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.1)
+        self.blocks = nn.ModuleList(_Block(d_model, heads, d_ff) for _ in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[:tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x))
+
+
+def tensor_parallel_plan(model: TPLM) -> dict:
+    """Megatron-style: q, k, v and the MLP's first layer split by columns (heads, hidden
+    units), the attention output and the MLP's second layer by rows; one all-reduce
+    after each. Embeddings, norms and the head stay whole (replicated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.blocks)):
+        for name in ("wq", "wk", "wv", "w1"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("wo", "w2"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    return plan
 
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
