@@ -34,6 +34,25 @@ setup() {
   echo "$want $level" > "$STAMP"
 }
 
+slurm() {
+  # Debian's Slurm for tests/test_slurm.py, which starts its own munged, slurmctld and
+  # slurmd; needs root and apt-get (as on CI), else those tests skip.
+  local pkgs="slurmd slurmctld slurm-client munge"
+  if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+      && command -v munged >/dev/null; then
+    return
+  fi
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "Slurm is not installed (apt-get install $pkgs); its tests will skip" >&2
+    return
+  fi
+  echo "installing Slurm ($pkgs) for its tests ..." >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq --no-install-recommends $pkgs >/dev/null 2>&1 || {
+    apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends $pkgs >/dev/null
+  } || echo "installing Slurm failed; its tests will say so" >&2
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -43,6 +62,7 @@ case "$cmd" in
     ;;
   test)
     setup full
+    slurm
     "$VENV/bin/ruff" check .
     exec "$VENV/bin/python" -m pytest "$@"
     ;;

@@ -128,6 +128,30 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--chaos", action="store_true",
                       help="kill a host of the last slice a third of the way in and bring it "
                       "back two steps later: training carries on, then grows back")
+    slurm = sub.add_parser(
+        "slurm", help="write an sbatch script that runs a training script on Slurm nodes",
+        description="Write an sbatch script: a Ray head on the allocation's first node, TPU "
+        "hosts on every node (Ray detects the chips of a TPU VM; CPU nodes emulate them), "
+        "the command as a Ray job, and everything stopped when the job ends or is "
+        "cancelled. Example: pathways-ray slurm --nodes 2 --slices 2 --topology 2x2 -o "
+        "train.sbatch -- python examples/train_jax_lm.py; then sbatch train.sbatch.")
+    _fleet_args(slurm, default_slices=1, default_topology="2x2")
+    slurm.add_argument("--nodes", type=_positive_int, default=1, help="Slurm nodes (1)")
+    slurm.add_argument("--job-name", default="pathways-ray")
+    slurm.add_argument("--time", default="01:00:00", help="time limit (01:00:00)")
+    slurm.add_argument("--partition", default=None)
+    slurm.add_argument("--log", default=None,
+                       help="sbatch --output (default: slurm-<job id>.out in the submit dir)")
+    slurm.add_argument("--state-dir", default=None,
+                       help="a directory every node sees, for the job's Ray token (default: "
+                       "$SLURM_SUBMIT_DIR/.pathways-ray-slurm)")
+    slurm.add_argument("--port", type=int, default=6379, help="Ray head port (6379)")
+    slurm.add_argument("--dashboard-port", type=int, default=8265,
+                       help="Ray dashboard and job API port (8265)")
+    slurm.add_argument("-o", "--output", default=None,
+                       help="write the script here (default: print it)")
+    slurm.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                       help="after `--`: the training command, run from the submit directory")
     _add_plugins(sub)
     return parser
 
@@ -235,6 +259,25 @@ def cmd_cache(args) -> int:
         console.print(f"removed {n} entries from {path}", highlight=False)
     else:
         console.print(compile_cache.summary(path).table(), highlight=False)
+    return 0
+
+
+def cmd_slurm(args) -> int:
+    from pathways_ray.slurm import SlurmJob, render_sbatch
+
+    command = args.job_command[1:] if args.job_command[:1] == ["--"] else args.job_command
+    job = SlurmJob(tuple(command), (_topology(args),) * args.slices, nodes=args.nodes,
+                   job_name=args.job_name, time_limit=args.time, partition=args.partition,
+                   output=args.log, state_dir=args.state_dir, port=args.port,
+                   dashboard_port=args.dashboard_port)
+    script = render_sbatch(job)
+    if args.output is None:
+        sys.stdout.write(script)
+        return 0
+    Path(args.output).write_text(script)
+    Path(args.output).chmod(0o755)
+    console.print(f"wrote {args.output}: {job.chips} chips on {job.nodes} node(s); submit it "
+                  f"with `sbatch {args.output}`", highlight=False)
     return 0
 
 
@@ -347,7 +390,7 @@ def handle_sigterm_as_interrupt() -> None:
 
 
 COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "demo": cmd_demo,
-            "chaos": cmd_chaos, "cache": cmd_cache}
+            "chaos": cmd_chaos, "cache": cmd_cache, "slurm": cmd_slurm}
 
 
 def main(argv: list[str] | None = None) -> int:
