@@ -13,7 +13,6 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
@@ -69,7 +68,6 @@ class ChipWorker:
         # buffer id -> (this chip's (ref, index) pieces, the slice they come from or None)
         self._staged: dict[int, tuple[list, str | None]] = {}
         self._staged_cond = threading.Condition()
-        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self._held: dict[int, object] = {}  # token -> shards (or the error) for a sidecar
         self._cache_counter = None  # this process's compilation cache lookups
 
@@ -213,10 +211,13 @@ class ChipWorker:
             self._staged_cond.notify_all()
         # Pull them to this host now, all at once, while the stream runs what comes
         # before their puts (one by one, each put would wait for its own pull).
+        # A daemon thread: a pull from a host that died waits out its timeout without
+        # holding up later pulls or this process's exit.
         refs = [ref for pieces in buffers.values() for ref, _ in pieces]
         if refs:
-            self._prefetch.submit(ray.wait, refs, num_returns=len(refs),
-                                  timeout=timeout_s("stream"), fetch_local=True)
+            threading.Thread(target=ray.wait, args=(refs,), daemon=True, name="prefetch",
+                             kwargs={"num_returns": len(refs), "timeout": timeout_s("stream"),
+                                     "fetch_local": True}).start()
 
     def _take_pieces(self, buffer_id: int) -> list:
         wait_s = timeout_s("stream")
