@@ -363,7 +363,7 @@ class Client:
             raise ValueError(f"sharding has {len(shardings)} leaves for {len(leaves)} arrays; "
                              f"give one sharding, or a pytree matching x")
         target = self.slice(slice) if slice is not None else None
-        out, moves = [], {}  # source slice -> [(array, its copy)]
+        placed = []  # (array, where, mesh, spec): every argument checked before any work
         for a, sh in zip(leaves, shardings, strict=True):
             if not isinstance(a, RemoteArray):
                 raise TypeError(f"reshard takes RemoteArrays, got {type(a).__name__}; "
@@ -373,6 +373,9 @@ class Client:
             if mesh.size != where.chips:
                 raise ValueError(f"the mesh has {mesh.size} devices; slice {where.name} has "
                                  f"{where.chips} chips")
+            placed.append((a, where, mesh, spec))
+        out, moves = [], {}  # source slice -> [(array, its copy)]
+        for a, where, mesh, spec in placed:
             b = RemoteArray(self, next(self._ids), where.name, a.shape, a.dtype, mesh, spec)
             if where.name == a.slice:
                 self._queue.enqueue(where.name, Reshard(a._id, b._id, spec, mesh))
