@@ -202,4 +202,7 @@ def test_scancel_mid_run_leaves_no_ray_process(slurm):
     assert any("raylet" in " ".join(p.cmdline()) for p in _job_processes(job_id))
     subprocess.run(["scancel", job_id], env=env, check=True)
     _wait_until(lambda: not _job_processes(job_id), 90, "Ray processes outlived scancel")
-    assert _state(env, job_id).get("JobState") == "CANCELLED"
+    # slurmctld shows COMPLETING until slurmd reports the step's end: wait that out
+    state = _wait_until(lambda: (s := _state(env, job_id)).get("JobState") != "COMPLETING" and s,
+                        60, "the job stayed COMPLETING after scancel")
+    assert state.get("JobState") == "CANCELLED", state
