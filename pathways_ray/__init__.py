@@ -13,6 +13,7 @@ import importlib
 from pathways_ray.errors import (
     ControllerDied,
     FleetError,
+    LeaseRevoked,
     PathwaysError,
     RemoteError,
     ReservationTimeout,
@@ -59,6 +60,7 @@ __all__ = [
     "Host",
     "HostArray",
     "HostFeed",
+    "LeaseRevoked",
     "LocalFleet",
     "PathwaysError",
     "RemoteArray",

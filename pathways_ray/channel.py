@@ -167,7 +167,9 @@ class ChannelServer:
         finally:
             conn.close()
 
-    def close(self) -> None:
+    def close(self, join_s: float = 0.0) -> None:
+        """Stop serving. ``join_s``: wait that long for a batch still running to end
+        (so that nothing it writes lands after the caller moves on)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -178,6 +180,11 @@ class ChannelServer:
                 except OSError:
                     pass
                 s.close()
+        if join_s > 0 and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
+            if self._thread.is_alive():
+                logger.warning("a command batch was still running %g s after its stream "
+                               "closed", join_s)
 
 
 class CommandChannel:

@@ -20,7 +20,7 @@ import ray
 from pathways_ray import boundary, compile_cache
 from pathways_ray.channel import ChannelServer
 from pathways_ray.config import PLATFORM_ENV, timeout_s
-from pathways_ray.errors import SliceLost, WaitTimeout, WorkerDied
+from pathways_ray.errors import LeaseRevoked, SliceLost, WaitTimeout, WorkerDied
 from pathways_ray.executor import Executor
 from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env
 
@@ -70,6 +70,9 @@ class ChipWorker:
         self._staged_cond = threading.Condition()
         self._held: dict[int, object] = {}  # token -> shards (or the error) for a sidecar
         self._cache_counter = None  # this process's compilation cache lookups
+        # The lease of a shared service this chip is lent to (None: a private controller
+        # owns it). Every call that reads or stages data presents it; see bind().
+        self._lease: str | None = None
 
     # ---- placement ---------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -190,21 +193,49 @@ class ChipWorker:
         return np.asarray(out.addressable_data(0))
 
     # ---- programs and arrays (see executor.py) -------------------------------------
+    # ---- leases of a shared service (service.py) ----------------------------------
     @ray.method(concurrency_group="control")
-    def open_channel(self) -> tuple[tuple[str, int], bytes]:
+    def bind(self, lease: str | None) -> None:
+        """Lend this chip to ``lease`` (or give it back to the pool): close the command
+        stream of whoever held it, then drop every buffer, program, staged piece and
+        held shard it left. From now on only calls presenting ``lease`` are served, so
+        a controller whose lease ended (its client froze and was reclaimed) can
+        neither run on this chip nor read what the next lease puts here."""
+        self._lease = lease
+        if self._channel is not None:
+            self._channel.close(join_s=timeout_s("control") / 6)
+            self._channel = None
+        with self._staged_cond:
+            self._staged.clear()
+            self._held.clear()
+            self._staged_cond.notify_all()
+        if self.executor is not None:
+            self.executor.clear()
+
+    def _check_lease(self, lease: str | None) -> None:
+        if lease != self._lease:
+            raise LeaseRevoked(f"chip rank {self.rank} of slice {self.info.slice_name} is not "
+                               f"lent to the lease this call presents (its lease ended: the "
+                               f"client closed, or sent no heartbeat in time); connect again")
+
+    @ray.method(concurrency_group="control")
+    def open_channel(self, lease: str | None = None) -> tuple[tuple[str, int], bytes]:
         """Listen for the controller's command stream; returns (address, secret)."""
         if self.executor is None:
             raise RuntimeError("init_world() has not run on this chip worker")
+        self._check_lease(lease)
         if self._channel is None:
             self._channel = ChannelServer(self.info.ip, self.executor.run)
         return self._channel.address, self._channel.token
 
     @ray.method(concurrency_group="control")
-    def stage(self, buffers: dict[int, list], source: str | tuple | None = None) -> None:
+    def stage(self, buffers: dict[int, list], source: str | tuple | None = None,
+              lease: str | None = None) -> None:
         """Hand over, per buffer id, the object refs a later ``put`` in the stream
         assembles this chip's shard from (refs travel by Ray call so Ray tracks who
         holds them). ``source`` names the slice they come from (a cross-slice
         reshard), or the ``(slice, host)`` of the sidecar that returns them."""
+        self._check_lease(lease)
         with self._staged_cond:
             for buffer_id, pieces in buffers.items():
                 self._staged[buffer_id] = (pieces, source)
@@ -249,9 +280,10 @@ class ChipWorker:
             self._staged_cond.notify_all()
 
     @ray.method(concurrency_group="host")
-    def held(self, token: int) -> list[np.ndarray]:
+    def held(self, token: int, lease: str | None = None) -> list[np.ndarray]:
         """This chip's shards that a ``Hold`` in the stream copied for a sidecar call
         (once; raises why they could not be read)."""
+        self._check_lease(lease)
         wait_s = timeout_s("stream")
         with self._staged_cond:
             if not self._staged_cond.wait_for(lambda: token in self._held, timeout=wait_s):
@@ -270,28 +302,33 @@ class ChipWorker:
                 raise RuntimeError("no command stream is open on this chip worker")
             self._channel.wait_for(batches, timeout_s("stream"))
 
-    def shard(self, buffer_id: int, after: int = 0) -> np.ndarray:
+    def shard(self, buffer_id: int, after: int = 0, lease: str | None = None) -> np.ndarray:
         """This chip's shard of a buffer (raises the remote error of a failed buffer)."""
+        self._check_lease(lease)
         self._after(after)
         return self.executor.local_shard(buffer_id)
 
-    def shards(self, buffer_ids: list[int], after: int = 0) -> list[np.ndarray]:
+    def shards(self, buffer_ids: list[int], after: int = 0,
+               lease: str | None = None) -> list[np.ndarray]:
         """This chip's shards of several buffers, in one object (a snapshot's share)."""
+        self._check_lease(lease)
         self._after(after)
         return [self.executor.local_shard(i) for i in buffer_ids]
 
-    def put_shards(self, buffer_ids: list[int], after: int = 0) -> list:
+    def put_shards(self, buffer_ids: list[int], after: int = 0, lease: str | None = None) -> list:
         """One ref per buffer: this chip's shard, put in this host's object store
         (owned here).
 
         For a transfer to another slice: the caller passes the refs on and never
         holds the bytes, where a returned array under Ray's inline limit (100 KiB)
         would travel to the caller and be read from there. Raises if a buffer failed."""
+        self._check_lease(lease)
         self._after(after)
         return [ray.put(self.executor.local_shard(i)) for i in buffer_ids]
 
-    def ready(self, buffer_ids: list[int], after: int = 0) -> bool:
+    def ready(self, buffer_ids: list[int], after: int = 0, lease: str | None = None) -> bool:
         """True once the buffers are computed; raises the remote error if one failed."""
+        self._check_lease(lease)
         self._after(after)
         self.executor.ready(buffer_ids)
         return True

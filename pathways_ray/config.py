@@ -18,6 +18,7 @@ __all__ = [
     "PLATFORM_ENV",
     "TIMEOUTS",
     "Timeout",
+    "USER_ENV",
     "base_dir",
     "default_compilation_cache_dir",
     "timeout_s",
@@ -29,6 +30,7 @@ NAMESPACE = "pathways-ray"
 DIR_ENV = "PATHWAYS_RAY_DIR"
 CACHE_ENV = "PATHWAYS_RAY_COMPILATION_CACHE_DIR"
 PLATFORM_ENV = "PATHWAYS_RAY_PLATFORM"  # "cpu" or "tpu": overrides detection on a host
+USER_ENV = "PATHWAYS_RAY_USER"  # who a shared service's status shows (default: the login)
 
 
 def base_dir() -> Path:
@@ -84,6 +86,9 @@ TIMEOUTS: dict[str, Timeout] = {t.name: t for t in [
                               "a step that hangs) before it counts as hung"),
     Timeout("fetch", 300.0, "a result (fetch, block_until_ready, a cross-slice reshard)"),
     Timeout("shutdown", 30.0, "releasing a slice or closing a client"),
+    Timeout("lease", 600.0, "waiting in a shared service's queue for a lease"),
+    Timeout("heartbeat", 30.0, "a leased client (or one waiting in the queue) silent before "
+                               "the service ends its lease and takes its slices back"),
 ]}
 
 

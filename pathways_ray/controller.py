@@ -79,8 +79,12 @@ class Controller:
 
     def __init__(self, slices: list | None = None, reserve_timeout_s: float | None = None,
                  max_inflight: int = 8, compilation_cache_dir: str | None = None,
-                 multislice: bool = False):
+                 multislice: bool = False, lease: dict | None = None):
         self._args = (slices, reserve_timeout_s, compilation_cache_dir, multislice)
+        # A lease of a shared service (service.py): its slices are lent, already running,
+        # and every call to their chips presents the lease's token.
+        self._lease = lease
+        self._token = lease["token"] if lease else None
         self.max_inflight = max_inflight
         self.slices: dict[str, Slice] = {}
         self.lost: dict[str, SliceLost] = {}
@@ -109,6 +113,8 @@ class Controller:
         from pathways_ray.cluster import cluster_slices
 
         slices, reserve_timeout_s, compilation_cache_dir, multislice = self._args
+        if self._lease is not None:
+            return self._start_leased()
         if slices is None:
             slices = [v.topology for v in cluster_slices() if v.idle and v.topology is not None]
             if not slices:
@@ -136,10 +142,29 @@ class Controller:
                                       also=self._sidecar_verdicts)
         return self.describe()
 
-    @staticmethod
-    def _open_streams(s: Slice) -> list[CommandChannel]:
+    def _start_leased(self) -> list[dict]:
+        for lent in self._lease["slices"]:
+            s = Slice.borrowed(lent)
+            self.slices[s.name] = s
+        try:
+            for s in self.slices.values():
+                self._channels[s.name] = self._open_streams(s)
+        except BaseException:
+            self.shutdown()
+            raise
+        for s in self.slices.values():
+            self._add_placement(Placement(s.name, (s,)))
+        self._shapes.update((name, s.topology) for name, s in self.slices.items())
+        self._monitor = HealthMonitor(self._streams, self._condemn,
+                                      step_timeout_s=timeout_s("step"),
+                                      compile_timeout_s=timeout_s("compile"),
+                                      also=self._sidecar_verdicts)
+        return self.describe()
+
+    def _open_streams(self, s: Slice) -> list[CommandChannel]:
         ends = boundary.get(
-            [w.handle.open_channel.remote() for w in s.workers], timeout="control",
+            [w.handle.open_channel.remote(lease=self._token) for w in s.workers],
+            timeout="control",
             what=f"opening the command streams of {s.name}",
             died=lambda e: WorkerDied(f"a chip worker of {s.name} died before it started: {e}"))
         return [CommandChannel(address, token, timeout_s=timeout_s("stream"),
@@ -216,7 +241,7 @@ class Controller:
             batch.append(placed(cmd, p.start))
         for w, buffers in zip(p.workers, staged, strict=True):  # one call per chip
             if buffers:
-                w.handle.stage.remote(buffers, source)
+                w.handle.stage.remote(buffers, source, lease=self._token)
         payload = dumps(batch)
         loads = any(isinstance(c, (Load, Compile)) for c in batch)  # compile deadline
         # Backpressure: a client that issues work faster than the slice runs it waits here.
@@ -281,7 +306,8 @@ class Controller:
             spec["outs"] = [_Out(put.shape, put.dtype, b[h].box, b[h].pieces)
                             for put, b in zip(call.outputs, out_blocks, strict=True)]
             n = sum(len(b[h].pieces) for b in out_blocks) + bool(call.reply)
-            inputs = [sl.workers[r].handle.held.remote(token) for r in holders[h]]
+            inputs = [sl.workers[r].handle.held.remote(token, lease=self._token)
+                      for r in holders[h]]
             refs = host.handle.call.options(num_returns=max(n, 1)).remote(spec, inputs)
             refs = refs if isinstance(refs, list) else [refs]
             if call.reply:
@@ -297,7 +323,8 @@ class Controller:
         for put, per_chip in zip(call.outputs, pieces, strict=True):
             for w, mine in zip(sl.workers, per_chip, strict=True):
                 host = next(h for h in hosts if w.rank in h.ranks)
-                w.handle.stage.remote({put.buffer: mine}, (sl.name, f"{sl.name}/{host.worker_id}"))
+                w.handle.stage.remote({put.buffer: mine}, (sl.name, f"{sl.name}/{host.worker_id}"),
+                                      lease=self._token)
             out.append(placed(put, p.start))
         return out
 
@@ -357,18 +384,20 @@ class Controller:
         """Object refs of the given ranks' shards (fetched by the client, not by us)."""
         p = self._place(where)
         workers, sent = p.workers, self._sent(p)
-        return [workers[r].handle.shard.remote(buffer_id, sent[r]) for r in ranks]
+        return [workers[r].handle.shard.remote(buffer_id, sent[r], lease=self._token)
+                for r in ranks]
 
     def snapshot_refs(self, where: str, plan: dict[int, list[int]]) -> dict:
         """Per rank, the object ref of its shards of the buffers ``plan`` names (one
         call per chip; the snapshot keeper pulls them, not us)."""
         p = self._place(where)
         workers, sent = p.workers, self._sent(p)
-        return {r: workers[r].handle.shards.remote(ids, sent[r]) for r, ids in plan.items()}
+        return {r: workers[r].handle.shards.remote(ids, sent[r], lease=self._token)
+                for r, ids in plan.items()}
 
     def ready(self, where: str, buffer_ids: list[int]) -> list:
         p = self._place(where)
-        return [w.handle.ready.remote(buffer_ids, n)
+        return [w.handle.ready.remote(buffer_ids, n, lease=self._token)
                 for w, n in zip(p.workers, self._sent(p), strict=True)]
 
     def transfer(self, src: str, dst: str,
@@ -393,7 +422,7 @@ class Controller:
                 wanted.setdefault(r, []).append(i)
         workers, sent = sp.workers, self._sent(sp)
         got = boundary.get([workers[r].handle.put_shards.remote(
-                                [items[i][0] for i in idx], sent[r])
+                                [items[i][0] for i in idx], sent[r], lease=self._token)
                             for r, idx in wanted.items()], timeout="fetch",
                            what=f"the shards of {len(items)} buffers on {src}",
                            died=lambda e: self.report_lost(src, boundary.death_summary(e)))
@@ -413,6 +442,9 @@ class Controller:
         if self.multislice and count:
             raise ValueError("a multislice world cannot take in a new slice; connect without "
                              "multislice=True to grow back")
+        if self._lease is not None and count:
+            raise ValueError("a lease of a shared service holds only the slices it was "
+                             "granted; close it and connect again for a full set")
         with self._lock:
             shapes = [self._shapes[n] for n in self.lost if n in self._shapes]
         self._regrower.want(shapes[:count])
@@ -550,6 +582,11 @@ class Controller:
                 for ch in channels:
                     ch.close()
             self._channels.clear()
+        if self._lease is not None:  # lent: the service cleans the chips and keeps them
+            for s in list(self.slices.values()):
+                s.shutdown()
+            self.slices.clear()
+            return
         # Every world is left together first (killing a coordinator's rank while others
         # poll it makes them abort), all slices at once and bounded: a slice still
         # compiling a warm-up answers late. Seen: three slices waited on one by one

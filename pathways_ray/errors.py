@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "ControllerDied",
     "FleetError",
+    "LeaseRevoked",
     "PathwaysError",
     "RemoteError",
     "ReservationTimeout",
@@ -43,6 +44,12 @@ class WorkerDied(PathwaysError):
 
 class ControllerDied(PathwaysError):
     """The controller actor is gone: the client cannot run anything more."""
+
+
+class LeaseRevoked(ControllerDied):
+    """This client's lease on a shared service ended without it closing: it sent no
+    heartbeat in time (the process was frozen or cut off), or the service stopped. Its
+    slices went back to the pool and another lease may hold them now; connect again."""
 
 
 class SliceLost(PathwaysError):

@@ -108,6 +108,13 @@ class Executor:
         # persistent compilation cache load); the run itself is asynchronous
         self.first_call_s: dict[str, float] = {}
 
+    def clear(self) -> None:
+        """Forget every buffer and program (the chip passes to another lease)."""
+        self.buffers.clear()
+        self.programs.clear()
+        self.compiled.clear()
+        self.first_call_s.clear()
+
     # ---- helpers -------------------------------------------------------------
     def mesh(self, shape: MeshShape, start: int = 0):
         key = (shape, start)

@@ -77,6 +77,25 @@ class Slice:
         self._closed = False
         self._sidecars: list[SidecarInfo] | None = None
         self._sidecar_lock = threading.Lock()
+        self._pg = spg.slice_placement_group if spg is not None else None
+        self.borrowed = False  # lent by a shared service, which keeps the reservation
+
+    # ---- lending (a shared service's pool, service.py) --------------------------------
+    def lend(self) -> dict:
+        """What a lease's controller needs to run this slice (``Slice.borrowed``); the
+        lender keeps the reservation and its workers' ownership."""
+        return {"topology": self.topology, "workers": self.workers, "world": self.world,
+                "world_offset": self.world_offset, "pg": self._pg}
+
+    @classmethod
+    def borrowed(cls, lent: dict) -> Slice:
+        """A slice lent by a service: ``shutdown()`` stops only what the borrower started
+        (sidecars), and the workers too if the slice was lost, never the reservation."""
+        sl = cls(lent["topology"], None, lent["workers"], lent["world"])
+        sl.world_offset = lent["world_offset"]
+        sl._pg = lent["pg"]
+        sl.borrowed = True
+        return sl
 
     # ---- reservation -----------------------------------------------------------
     @classmethod
@@ -312,8 +331,7 @@ class Slice:
                 handle = cls.options(
                     name=f"{ws[0].actor_name}-sidecar", namespace=NAMESPACE, num_cpus=1,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._spg.slice_placement_group,
-                        placement_group_bundle_index=ws[0].bundle),
+                        placement_group=self._pg, placement_group_bundle_index=ws[0].bundle),
                 ).remote(self.name, wid, len(hosts), [w.rank for w in ws])
                 started.append(SidecarInfo(wid, tuple(w.rank for w in ws), handle))
             try:
@@ -341,6 +359,16 @@ class Slice:
 
         if not ray.is_initialized():
             return
+        if self.borrowed:  # the lender cleans the chips (bind) and keeps the reservation
+            with self._sidecar_lock:
+                sidecars, self._sidecars = self._sidecars or [], []
+            for h in [s.handle for s in sidecars] + ([w.handle for w in self.workers]
+                                                      if lost else []):
+                try:
+                    ray.kill(h)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            return
         if not lost:
             # A world with a dead or frozen member cannot be left together: waiting for it
             # would only run out the shutdown deadline (30 s, seen in a test's teardown).
@@ -367,6 +395,8 @@ class Slice:
     def placement_group_ids(self) -> list[str]:
         """The placement groups holding this slice (hex ids): what anyone must remove to
         free it if this object's owner dies (they live as long as the Ray job)."""
+        if self._spg is None:  # borrowed: the lender holds them
+            return []
         pgs = [self._spg.slice_placement_group, *self._spg.head_placement_groups]
         return [pg.id.hex() for pg in pgs if pg is not None]
 
