@@ -37,8 +37,9 @@ class Client:
     """The single-controller client. Make one with ``pathways_ray.connect()``."""
 
     def __init__(self, controller, max_batch: int = 64, flush_interval_s: float = 0.010,
-                 start_timeout_s: float | None = None):
+                 start_timeout_s: float | None = None, lease=None):
         self._controller = controller
+        self._lease = lease  # service.Heartbeat of a shared service's lease, or None
         # What holds each slice (placement group ids), so the client can free it when the
         # controller is gone: they live as long as the Ray job, not as the controller.
         self._pg_ids: dict[str, list[str]] = {}
@@ -62,10 +63,23 @@ class Client:
         self._queue = Dispatcher(controller, [s.name for s in self.slices],
                                  max_batch=max_batch, flush_interval_s=flush_interval_s,
                                  died=self._controller_died)
+        if lease is not None:
+            lease.attach(controller)  # the service ends the lease if the controller dies
+
+    @property
+    def lease(self) -> str | None:
+        """The id of this client's lease of a shared service (None: a private client)."""
+        return None if self._lease is None else self._lease.lease_id
 
     def _controller_died(self, e: BaseException) -> ControllerDied:
         """The controller is gone: free the slices it held (its chip workers died with
-        it, its placement groups did not) and say how to go on."""
+        it, its placement groups did not) and say how to go on. A leased client's
+        controller dies when the service takes the lease back: say that."""
+        if self._lease is not None:
+            revoked = self._lease.check_now()
+            self._lease.release()
+            if revoked is not None:
+                return revoked
         self._release_slices()
         return ControllerDied(f"the controller is gone ({type(e).__name__}: {e}); the slices "
                               f"it held are released. Start a new client with "
@@ -105,7 +119,22 @@ class Client:
     def _check(self, where: str | None = None) -> None:
         if self._closed:
             raise RuntimeError("this client is closed; start another with pathways_ray.connect()")
+        if self._lease is not None and self._lease.revoked is not None:
+            raise self._lease.revoked
         self._queue.check(where)
+
+    def _own(self, a: RemoteArray) -> None:
+        """Refuse a handle of another client (another lease): its buffer id means
+        nothing here, or worse, names one of ours."""
+        if a._client is not self:
+            mine, theirs = self._who(), a._client._who()
+            raise ValueError(f"{a!r} belongs to {theirs}, not to this client ({mine}); arrays "
+                             f"cannot pass between clients: fetch it there (np.asarray) and "
+                             f"device_put it here")
+
+    def _who(self) -> str:
+        return (f"lease {self._lease.lease_id} of service {self._lease.name!r}"
+                if self._lease is not None else f"the private client {id(self):#x}")
 
     # ---- placement -----------------------------------------------------------
     def slice(self, name_or_index: str | int | list | tuple | None = None) -> SliceInfo:
@@ -193,6 +222,9 @@ class Client:
     def _run(self, program: Program, out_tree, arrays: list[RemoteArray], checked=False):
         import jax
 
+        for a in arrays:
+            if a._client is not self:
+                self._own(a)
         target = arrays[0].slice
         if not checked:  # JitFunction matched the signature already; Compiled must check
             program.check_args([a.signature for a in arrays], self._chips[target])
@@ -304,6 +336,7 @@ class Client:
         failure (``SliceLost``, ``RemoteError``)."""
         by_slice: dict[str, list[int]] = {}
         for a in arrays:
+            self._own(a)
             by_slice.setdefault(a.slice, []).append(a._id)
         for name, ids in by_slice.items():
             self._ready(name, ids, timeout_s)
@@ -368,6 +401,7 @@ class Client:
             if not isinstance(a, RemoteArray):
                 raise TypeError(f"reshard takes RemoteArrays, got {type(a).__name__}; "
                                 f"use device_put for host arrays")
+            self._own(a)
             where = target or self.slice(a.slice)
             mesh, spec = spec_of(sh, a.ndim)
             if mesh.size != where.chips:
@@ -421,6 +455,8 @@ class Client:
             ray.kill(self._controller)
             if self._keeper is not None:
                 ray.kill(self._keeper)
+            if self._lease is not None:  # after the controller is gone: nothing races it
+                self._lease.release()
 
     def __enter__(self) -> Client:
         return self
@@ -429,10 +465,20 @@ class Client:
         self.close()
 
 
-def connect(slices: list | None = None, *, reserve_timeout_s: float | None = None,
+def connect(slices: list | dict | None = None, *, service: str | None = None,
+            lease_timeout_s: float | None = None, reserve_timeout_s: float | None = None,
             max_batch: int = 64, compilation_cache_dir: str | None = "default",
             multislice: bool = False, controller_cls: type | None = None) -> Client:
     """Start a controller holding ``slices`` (default: every free slice) and return a client.
+
+    With ``service="team"``, lease the slices from that shared service instead
+    (``pathways-ray service start``): ``slices`` maps shapes to counts,
+    ``{"v6e-2x2": 1}`` (pathwaysutils' ``{"tpuv6e:2x2": 1}`` works too). The client
+    waits in the service's queue while they are busy, for at most
+    ``lease_timeout_s`` (default ``$PATHWAYS_RAY_LEASE_TIMEOUT_S`` or 600 s), and
+    keeps the lease alive with heartbeats; ``close()`` gives the slices back, and so
+    does the service if the process dies or its heartbeats stop for
+    ``$PATHWAYS_RAY_HEARTBEAT_TIMEOUT_S`` (30 s, the service's setting).
 
     The process must be connected to the Ray cluster (a ``LocalFleet``, or
     ``Fleet.attach()``). ``reserve_timeout_s`` bounds each slice's reservation
@@ -452,7 +498,24 @@ def connect(slices: list | None = None, *, reserve_timeout_s: float | None = Non
     if not ray.is_initialized():
         raise RuntimeError("not connected to a Ray cluster; start a pathways_ray.LocalFleet "
                            "or call pathways_ray.Fleet.attach(address) first")
-    specs = None if slices is None else list(slices)  # Topology objects or "v6e-4x4" strings
+    grant = heartbeat = None
+    if service is not None:
+        from pathways_ray import service as shared
+
+        if multislice:
+            raise ValueError("multislice=True with service=: a lease's slices are separate "
+                             "JAX worlds; connect without service= for one world")
+        if slices is None:
+            raise ValueError(f"slices=None with service={service!r}: say what to lease, e.g. "
+                             f"slices={{'v6e-2x2': 1}}")
+        grant = shared.lease(service, slices, timeout=lease_timeout_s)
+        heartbeat = shared.Heartbeat(grant)
+        specs = None
+    elif isinstance(slices, dict):
+        raise TypeError(f"slices={slices!r}: shapes with counts are for a shared service's "
+                        f"lease (service=...); for a private controller pass a list of shapes")
+    else:
+        specs = None if slices is None else list(slices)  # Topology or "v6e-4x4" strings
     # Errors of shards the controller fetched for the client reach the client; the
     # controller need not echo them as "unhandled" when it drops its refs.
     # The client's settings (timeouts, directories) hold for its controller too.
@@ -465,14 +528,21 @@ def connect(slices: list | None = None, *, reserve_timeout_s: float | None = Non
     # local hop from the client that feeds it every step.
     # Hard affinity: with soft=True Ray placed it on a TPU host in 1 of 4 tries here.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=env,
-                       scheduling_strategy=here)(controller_cls or Controller).remote(
-        specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
-        multislice=multislice)
     try:
-        return Client(actor, max_batch=max_batch)
+        actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=env,
+                           scheduling_strategy=here)(controller_cls or Controller).remote(
+            specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
+            multislice=multislice, lease=grant)
+    except BaseException:
+        if heartbeat is not None:
+            heartbeat.release()
+        raise
+    try:
+        return Client(actor, max_batch=max_batch, lease=heartbeat)
     except BaseException:
         ray.kill(actor)
+        if heartbeat is not None:
+            heartbeat.release()
         raise
 
 

@@ -178,6 +178,7 @@ def build_call(client: Client, target: str, spec: dict, args: tuple, kwargs: dic
 
     def sub(v):
         if isinstance(v, RemoteArray):
+            client._own(v)
             if v.slice != target:
                 raise ValueError(f"sidecar {spec['name']} runs on slice {target}; argument "
                                  f"{v!r} lives on {v.slice}: move it with "
