@@ -529,8 +529,16 @@ def connect(slices: list | dict | None = None, *, service: str | None = None,
     # Hard affinity: with soft=True Ray placed it on a TPU host in 1 of 4 tries here.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     try:
-        actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env=env,
-                           scheduling_strategy=here)(controller_cls or Controller).remote(
+        # A lease's controller starts no process of its own (the service started the
+        # chips), so it takes its settings as an argument, not as a runtime_env for its
+        # children: with Ray's default runtime_env it starts in a worker Ray already has
+        # idle (a lease on an idle pool: 0.76 s -> 0.23-0.51 s here).
+        options = dict(num_cpus=0, max_restarts=0, scheduling_strategy=here)
+        if grant is None:
+            options["runtime_env"] = env
+        else:
+            grant = {**grant, "env": env["env_vars"]}
+        actor = ray.remote(**options)(controller_cls or Controller).remote(
             specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
             multislice=multislice, lease=grant)
     except BaseException:

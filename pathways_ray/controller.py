@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -85,6 +86,8 @@ class Controller:
         # and every call to their chips presents the lease's token.
         self._lease = lease
         self._token = lease["token"] if lease else None
+        if lease is not None:  # the client's settings (a private controller's come as its
+            os.environ.update(lease.get("env", {}))  # runtime_env, inherited by its chips)
         self.max_inflight = max_inflight
         self.slices: dict[str, Slice] = {}
         self.lost: dict[str, SliceLost] = {}
