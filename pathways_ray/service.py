@@ -66,6 +66,7 @@ class Service:
         self._pool_token = "pool-" + secrets.token_hex(16)  # chips not lent are bound to it
         self._handed: dict[str, dict | str] = {}  # request -> its grant, or why it failed
         self._granting: set[str] = set()  # requests granted whose chips are being lent
+        self._cancelled: set[str] = set()  # ... whose client gave up meanwhile
         self._pings: dict[str, object] = {}  # lease -> outstanding ping of its controller
         self._stopping = threading.Event()
         self._replacing: list = []  # placement groups of replacements being reserved
@@ -174,10 +175,15 @@ class Service:
                 self._cond.wait(deadline - now)
 
     def cancel(self, request_id: str) -> None:
+        """The client gives up: leave the queue, or give back a grant it never took."""
         with self._cond:
             self._book.cancel(request_id)
-            self._handed.pop(request_id, None)
+            if request_id in self._granting:
+                self._cancelled.add(request_id)
+            got = self._handed.pop(request_id, None)
             self._schedule_locked()
+        if isinstance(got, dict):
+            self.release(got["lease"], got["token"])
 
     # ---- leases ---------------------------------------------------------------------
     def attach(self, lease_id: str, token: str, controller) -> None:
@@ -233,9 +239,11 @@ class Service:
                 broken.append(name)
         with self._cond:
             self._granting.discard(req.id)
-            if broken or self._stopping.is_set():
+            gave_up = req.id in self._cancelled
+            self._cancelled.discard(req.id)
+            if broken or gave_up or self._stopping.is_set():
                 self._book.end(lease.id)
-                if not self._stopping.is_set():
+                if not (gave_up or self._stopping.is_set()):
                     self._book.queue.insert(0, req)
             else:
                 self._handed[req.id] = {
@@ -244,8 +252,9 @@ class Service:
                     "slices": [self._slices[n].lend() for n in lease.slices]}
                 self._metrics.waited(lease.waited_s)
             self._cond.notify_all()
-        if broken or self._stopping.is_set():
-            self._take_back(lease, "broken while lent", broken=set(broken))
+        if broken or gave_up or self._stopping.is_set():
+            self._take_back(lease, "broken while lent" if broken else "not taken",
+                            broken=set(broken))
 
     def _bind(self, s, token: str) -> None:
         boundary.get([w.handle.bind.remote(token) for w in s.workers],
