@@ -13,7 +13,7 @@ import importlib
 from pathways_ray.errors import (
     ControllerDied,
     FleetError,
-    LeaseRevoked,
+    LeaseRevoked,  # noqa: F401 - pathways_ray.LeaseRevoked; a ControllerDied, so not in __all__
     PathwaysError,
     RemoteError,
     ReservationTimeout,
@@ -60,7 +60,6 @@ __all__ = [
     "Host",
     "HostArray",
     "HostFeed",
-    "LeaseRevoked",
     "LocalFleet",
     "PathwaysError",
     "RemoteArray",
