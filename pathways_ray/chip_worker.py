@@ -244,7 +244,7 @@ class ChipWorker:
         # before their puts (one by one, each put would wait for its own pull).
         # A daemon thread: a pull from a host that died waits out its timeout without
         # holding up later pulls or this process's exit.
-        refs = [ref for pieces in buffers.values() for ref, _ in pieces]
+        refs = list(dict.fromkeys(p[0] for pieces in buffers.values() for p in pieces))
         if refs:
             threading.Thread(target=ray.wait, args=(refs,), daemon=True, name="prefetch",
                              kwargs={"num_returns": len(refs), "timeout": timeout_s("stream"),
@@ -270,9 +270,13 @@ class ChipWorker:
             return SliceLost(source, reason=f"it died before this chip copied buffer "
                                             f"{buffer_id} from it ({type(e).__name__})")
 
-        values = boundary.get([ref for ref, _ in pieces], timeout="stream",
-                              what=f"the pieces of buffer {buffer_id}", died=died)
-        return [(index, v) for (_, index), v in zip(pieces, values, strict=True)]
+        # A piece is (ref, index), or (ref, index, position) in a packet of several
+        # buffers' shards (a cross-slice transfer): each object is read once.
+        refs = list(dict.fromkeys(p[0] for p in pieces))
+        values = dict(zip(refs, boundary.get(refs, timeout="stream",
+                                             what=f"the pieces of buffer {buffer_id}",
+                                             died=died), strict=True))
+        return [(p[1], values[p[0]] if len(p) == 2 else values[p[0]][p[2]]) for p in pieces]
 
     def _give(self, token: int, value) -> None:
         with self._staged_cond:
@@ -315,16 +319,18 @@ class ChipWorker:
         self._after(after)
         return [self.executor.local_shard(i) for i in buffer_ids]
 
-    def put_shards(self, buffer_ids: list[int], after: int = 0, lease: str | None = None) -> list:
-        """One ref per buffer: this chip's shard, put in this host's object store
-        (owned here).
+    def put_shards(self, packets: list[list[int]], after: int = 0,
+                   lease: str | None = None) -> list:
+        """One ref per packet: the list of this chip's shards of the packet's buffers,
+        put as one object in this host's store (owned here).
 
-        For a transfer to another slice: the caller passes the refs on and never
-        holds the bytes, where a returned array under Ray's inline limit (100 KiB)
-        would travel to the caller and be read from there. Raises if a buffer failed."""
+        For a transfer to another slice, one packet per destination host: the caller
+        passes the refs on and never holds the bytes, where a returned array under
+        Ray's inline limit (100 KiB) would travel to the caller and be read from
+        there. Raises if a buffer failed."""
         self._check_lease(lease)
         self._after(after)
-        return [ray.put(self.executor.local_shard(i)) for i in buffer_ids]
+        return [ray.put([self.executor.local_shard(i) for i in packet]) for packet in packets]
 
     def ready(self, buffer_ids: list[int], after: int = 0, lease: str | None = None) -> bool:
         """True once the buffers are computed; raises the remote error if one failed."""

@@ -42,7 +42,7 @@ from pathways_ray.commands import Command, Compile, Free, Hold, HostCall, Load, 
 from pathways_ray.config import timeout_s
 from pathways_ray.errors import SliceLost, WorkerDied
 from pathways_ray.health import HealthMonitor, Regrower
-from pathways_ray.sharding import MeshShape, host_blocks, transfer_plan
+from pathways_ray.sharding import MeshShape, host_blocks, pack_transfer
 from pathways_ray.sidecar_host import _Out
 from pathways_ray.slice import Slice, ping_all
 
@@ -408,32 +408,31 @@ class Controller:
         """Copy arrays to another slice, each ``(source buffer id, its mesh, its spec,
         put)`` becoming ``put`` (a new buffer there), shard by shard, worker to worker.
 
-        Each unique source shard becomes one object in its source host's store (one
-        ``put_shards`` call per source worker for all the arrays); each destination
-        chip gets the refs that overlap its blocks, pulls them from those hosts and
-        assembles its blocks. Only refs pass through here, whatever the size. A
-        source slice that died, or a source buffer whose program failed, raises here
+        Each source chip puts, in its host's store, one object per destination host
+        holding its shards of every array that host needs (``sharding.pack_transfer``:
+        replicated shards are spread over their holders); each destination chip gets
+        the refs that overlap its blocks, pulls them from those hosts and assembles
+        its blocks. Only refs pass through here, whatever the size. A source slice
+        that died, or a source buffer whose program failed, raises here
         (``SliceLost``, ``RemoteError``) and nothing reaches the destination.
         """
-        sp = self._place(src)
-        self._place(dst)
-        plans = [transfer_plan(put.shape, mesh, spec, put.mesh, put.spec)
-                 for _, mesh, spec, put in items]
-        wanted: dict[int, list[int]] = {}  # source rank -> the items it sends a shard of
-        for i, (_, sources, _) in enumerate(plans):
-            for r in sources:
-                wanted.setdefault(r, []).append(i)
+        import numpy as np
+
+        sp, dp = self._place(src), self._place(dst)
+        plan = pack_transfer([(put.shape, np.dtype(put.dtype).itemsize, mesh, spec, put.mesh,
+                               put.spec) for _, mesh, spec, put in items],
+                             [w.info.node_id for w in dp.workers])
         workers, sent = sp.workers, self._sent(sp)
         got = boundary.get([workers[r].handle.put_shards.remote(
-                                [items[i][0] for i in idx], sent[r], lease=self._token)
-                            for r, idx in wanted.items()], timeout="fetch",
+                                [[items[i][0] for i in packet] for packet in packets], sent[r],
+                                lease=self._token)
+                            for r, packets in plan.sends.items()], timeout="fetch",
                            what=f"the shards of {len(items)} buffers on {src}",
                            died=lambda e: self.report_lost(src, boundary.death_summary(e)))
-        refs = {(i, r): ref for (r, idx), boxes in zip(wanted.items(), got, strict=True)
-                for i, ref in zip(idx, boxes, strict=True)}
-        puts = [replace(put, pieces=[[(refs[i, r], src_index[r]) for r in rs] for rs in needs])
-                for i, ((*_, put), (src_index, _, needs)) in enumerate(zip(items, plans,
-                                                                           strict=True))]
+        refs = dict(zip(plan.sends, got, strict=True))  # source rank -> a ref per packet
+        puts = [replace(put, pieces=[[(refs[r][k], block, pos) for r, k, pos, block in mine]
+                                     for mine in per_dst])
+                for (*_, put), per_dst in zip(items, plan.pieces, strict=True)]
         self.submit(dst, puts, source=src)
 
     # ---- growing back -------------------------------------------------------------

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
-__all__ = ["HostBlocks", "MeshShape", "host_blocks", "normalize_spec", "shard_slices",
+__all__ = ["HostBlocks", "MeshShape", "TransferPacking", "host_blocks", "normalize_spec",
+           "pack_transfer", "shard_slices",
            "transfer_plan", "unique_shards"]
 
 Spec = tuple[tuple[str, ...], ...]  # per array dim: the mesh axes it is split over
@@ -117,6 +118,65 @@ def transfer_plan(shape: Sequence[int], src_mesh: MeshShape, src_spec: Spec,
                      for a, b in zip(index, src_index[r], strict=True))]
              for index in shard_slices(shape, dst_mesh, dst_spec)]
     return src_index, sources, needs
+
+
+@dataclass(frozen=True)
+class TransferPacking:
+    """Who sends what in a copy of several arrays between slices (``pack_transfer``).
+
+    ``sends[r]`` lists source rank ``r``'s packets, each the array positions it puts
+    in one object for one destination host; ``pieces[i][d]`` lists, for array ``i``
+    and destination rank ``d``, ``(source rank, packet, position in it, the source
+    block)`` of every block ``d`` assembles its own from.
+    """
+
+    sends: dict[int, list[list[int]]]
+    pieces: list[list[list[tuple[int, int, int, tuple[slice, ...]]]]]
+
+
+def pack_transfer(arrays: Sequence[tuple[Sequence[int], int, MeshShape, Spec, MeshShape, Spec]],
+                  dst_hosts: Sequence) -> TransferPacking:
+    """Plan a copy of several arrays ``(shape, itemsize, src mesh, src spec, dst mesh,
+    dst spec)`` to a slice whose rank ``d`` runs on host ``dst_hosts[d]``.
+
+    Every block a destination host needs crosses once, in one object per (source
+    chip, destination host) pair for all the arrays: per-object costs (a put, a
+    pull, a lookup) are paid by a handful of objects, not by every shard of every
+    array. A block held by several source chips (replicated along a mesh axis) is
+    sent by the one with the fewest bytes to send so far, so replicas share the work.
+    """
+    load: dict[int, int] = {}
+    packets: dict[tuple[int, object], dict[int, int]] = {}  # (rank, host) -> array -> pos
+    pieces = []
+    for i, (shape, itemsize, src_mesh, src_spec, dst_mesh, dst_spec) in enumerate(arrays):
+        src_index, _, needs = transfer_plan(shape, src_mesh, src_spec, dst_mesh, dst_spec)
+        holders: dict[tuple, list[int]] = {}
+        for rank, idx in enumerate(src_index):
+            holders.setdefault(tuple((b.start, b.stop) for b in idx), []).append(rank)
+        chosen: dict[tuple[int, object], int] = {}  # (first holder, host) -> sender
+        per_dst = []
+        for d, firsts in enumerate(needs):
+            host, mine = dst_hosts[d], []
+            for first in firsts:
+                sender = chosen.get((first, host))
+                if sender is None:
+                    key = tuple((b.start, b.stop) for b in src_index[first])
+                    sender = min(holders[key], key=lambda r: (load.get(r, 0), r))
+                    load[sender] = load.get(sender, 0) + itemsize * prod(
+                        b.stop - b.start for b in src_index[first])
+                    chosen[first, host] = sender
+                packet = packets.setdefault((sender, host), {})
+                pos = packet.setdefault(i, len(packet))
+                mine.append((sender, host, pos, src_index[sender]))
+            per_dst.append(mine)
+        pieces.append(per_dst)
+    number: dict[tuple[int, object], int] = {}
+    sends: dict[int, list[list[int]]] = {}
+    for (rank, host), packet in packets.items():
+        number[rank, host] = len(sends.setdefault(rank, []))
+        sends[rank].append(list(packet))
+    return TransferPacking(sends, [[[(r, number[r, h], pos, blk) for r, h, pos, blk in mine]
+                                    for mine in per_dst] for per_dst in pieces])
 
 
 def spread_shards(arrays: Sequence[tuple[Sequence[int], int, MeshShape, Spec]],

@@ -47,3 +47,24 @@ def test_replicas_and_errors():
         normalize_spec(P("data", "data"), 2, ms)
     with pytest.raises(ValueError, match="does not split evenly"):
         shard_slices((3, 4), ms, normalize_spec(P("data"), 2, ms))
+
+
+def test_a_transfer_packs_one_object_per_source_chip_and_destination_host():
+    from pathways_ray.sharding import pack_transfer
+
+    dm, mp = MeshShape(("data", "model"), (2, 2)), MeshShape(("model",), (4,))
+    # 3 arrays on a 2x2 (data x model) slice, replicated over "data", to a 1x4 slice
+    # on two hosts (ranks 0-1 on host a, 2-3 on host b): host a needs the first model
+    # half (held by chips 0 and 2), host b the second (chips 1 and 3).
+    arrays = [((8, 16), 4, dm, ((), ("model",)), mp, ((), ("model",)))] * 3
+    plan = pack_transfer(arrays, ["a", "a", "b", "b"])
+    # One object per (chip, host), all four chips sending: the replicas share the work.
+    assert plan.sends == {0: [[0, 2]], 1: [[0, 2]], 2: [[1]], 3: [[1]]}
+    for i, per_dst in enumerate(plan.pieces):
+        for d, mine in enumerate(per_dst):
+            (rank, packet, pos, block), = mine  # each destination block lies in one half
+            assert plan.sends[rank][packet][pos] == i
+            assert rank in ((0, 2) if d < 2 else (1, 3))
+            assert block == (slice(0, 8), slice(8 * (d // 2), 8 * (d // 2) + 8))
+        # Both destination chips of a host read the same object.
+        assert per_dst[0][0][:2] == per_dst[1][0][:2] and per_dst[2][0][:2] == per_dst[3][0][:2]
