@@ -229,24 +229,26 @@ class ChipWorker:
         return self._channel.address, self._channel.token
 
     @ray.method(concurrency_group="control")
-    def stage(self, buffers: dict[int, list], source: str | tuple | None = None,
+    def stage(self, refs: list, buffers: dict[int, list], source: str | tuple | None = None,
               lease: str | None = None) -> None:
-        """Hand over, per buffer id, the object refs a later ``put`` in the stream
-        assembles this chip's shard from (refs travel by Ray call so Ray tracks who
-        holds them). ``source`` names the slice they come from (a cross-slice
-        reshard), or the ``(slice, host)`` of the sidecar that returns them."""
+        """Hand over, per buffer id, the pieces a later ``put`` in the stream assembles
+        this chip's shard from: ``(k, index)`` or ``(k, index, position)`` with ``k``
+        the position in ``refs`` of the object holding it (refs travel by Ray call so
+        Ray tracks who holds them; each once, however many pieces it holds: the
+        borrowing bookkeeping is per ref). ``source`` names the slice they come from
+        (a cross-slice reshard), or the ``(slice, host)`` of the sidecar that returns
+        them."""
         self._check_lease(lease)
         with self._staged_cond:
             for buffer_id, pieces in buffers.items():
-                self._staged[buffer_id] = (pieces, source)
+                self._staged[buffer_id] = ([(refs[p[0]], *p[1:]) for p in pieces], source)
             self._staged_cond.notify_all()
         # Pull them to this host now, all at once, while the stream runs what comes
         # before their puts (one by one, each put would wait for its own pull).
         # A daemon thread: a pull from a host that died waits out its timeout without
         # holding up later pulls or this process's exit.
-        refs = list(dict.fromkeys(p[0] for pieces in buffers.values() for p in pieces))
         if refs:
-            threading.Thread(target=ray.wait, args=(refs,), daemon=True, name="prefetch",
+            threading.Thread(target=ray.wait, args=(list(refs),), daemon=True, name="prefetch",
                              kwargs={"num_returns": len(refs), "timeout": timeout_s("stream"),
                                      "fetch_local": True}).start()
 

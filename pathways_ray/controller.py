@@ -244,7 +244,7 @@ class Controller:
             batch.append(placed(cmd, p.start))
         for w, buffers in zip(p.workers, staged, strict=True):  # one call per chip
             if buffers:
-                w.handle.stage.remote(buffers, source, lease=self._token)
+                self._stage(w, buffers, source)
         payload = dumps(batch)
         loads = any(isinstance(c, (Load, Compile)) for c in batch)  # compile deadline
         # Backpressure: a client that issues work faster than the slice runs it waits here.
@@ -256,6 +256,15 @@ class Controller:
                     raise self._lose(s.name, str(e)) from None
                 if loads:
                     self._last_load[s.name] = ch.sent
+
+    def _stage(self, w, buffers: dict[int, list], source) -> None:
+        """Give a chip the pieces of its coming puts, each distinct ref once (a transfer
+        packs many buffers' shards in one object: 35 arrays' pieces were 140 refs per
+        chip to serialize, register and report back, for 4 objects)."""
+        slot: dict = {}
+        numbered = {b: [(slot.setdefault(p[0], len(slot)), *p[1:]) for p in pieces]
+                    for b, pieces in buffers.items()}
+        w.handle.stage.remote(list(slot), numbered, source, lease=self._token)
 
     # ---- sidecars (sidecar.py, sidecar_host.py) -------------------------------------
     def sidecars(self, where: str) -> int:
@@ -326,8 +335,7 @@ class Controller:
         for put, per_chip in zip(call.outputs, pieces, strict=True):
             for w, mine in zip(sl.workers, per_chip, strict=True):
                 host = next(h for h in hosts if w.rank in h.ranks)
-                w.handle.stage.remote({put.buffer: mine}, (sl.name, f"{sl.name}/{host.worker_id}"),
-                                      lease=self._token)
+                self._stage(w, {put.buffer: mine}, (sl.name, f"{sl.name}/{host.worker_id}"))
             out.append(placed(put, p.start))
         return out
 

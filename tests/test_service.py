@@ -8,6 +8,7 @@ killed and frozen for real. The tests share the service and run in file order.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -354,19 +355,25 @@ def test_the_numbers_are_ray_metrics_in_prometheus_format(fleet, team):
 
 # ---- a notebook --------------------------------------------------------------------------
 def test_the_notebook_runs_twice_in_a_real_kernel_and_finds_no_leftovers(fleet, team):
-    import nbformat
-    from nbclient import NotebookClient
-
+    # nbclient runs in a process of its own: its ZeroMQ context and event loop stay out
+    # of this one (which must exit cleanly after every other test module too).
+    run = ("import json, sys, nbformat\n"
+           "from nbclient import NotebookClient\n"
+           "nb = nbformat.read(sys.argv[1], as_version=4)\n"
+           "NotebookClient(nb, timeout=300, kernel_name='python3',\n"
+           "               resources={'metadata': {'path': sys.argv[2]}}).execute()\n"
+           "print(json.dumps([o.get('text', '') for c in nb.cells\n"
+           "                  for o in c.get('outputs', [])]))\n")
     keep = pr.connect(service=NAME, slices={"v6e-2x2": 1})  # both runs get the other slice
     try:
         slices = []
         for _ in range(2):
-            nb = nbformat.read(ROOT / "examples" / "shared_service.ipynb", as_version=4)
-            NotebookClient(nb, timeout=300, kernel_name="python3",
-                           resources={"metadata": {"path": str(ROOT)}}).execute(
-                env={**os.environ, **fleet.env, "PATHWAYS_RAY_SERVICE": NAME})
-            text = "\n".join(o.get("text", "") for cell in nb.cells
-                             for o in cell.get("outputs", []))
+            out = subprocess.run(
+                [sys.executable, "-c", run, str(ROOT / "examples" / "shared_service.ipynb"),
+                 str(ROOT)], env={**os.environ, **fleet.env, "PATHWAYS_RAY_SERVICE": NAME},
+                capture_output=True, text=True, timeout=400)
+            assert out.returncode == 0, out.stderr[-3000:]
+            text = "\n".join(json.loads(out.stdout.splitlines()[-1]))
             assert "left on the chips by earlier leases: {'buffers': 0, 'programs': 0}" in text
             slices.append(re.search(r"slice (\S+) \(v6e-2x2, 4 chips\)", text)[1])
         # The first run's kernel exited with its lease open; the second got that same
