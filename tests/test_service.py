@@ -204,7 +204,9 @@ def test_a_frozen_client_loses_its_lease_and_is_told_so_when_it_wakes(fleet, tea
         t0 = time.monotonic()
         _wait_until(lambda: d_lease not in {ls["id"] for ls in _status()["leases"]},
                     HEARTBEAT_S + 5, "dave's lease was not taken back")
-        assert time.monotonic() - t0 >= HEARTBEAT_S - 1  # by the heartbeat, not earlier
+        # By the heartbeat (its last beat came up to a fifth of the timeout before the
+        # stop), not earlier: its controller is alive.
+        assert time.monotonic() - t0 >= HEARTBEAT_S * 0.7
         # Both slices are free again: the next client may get dave's.
         erin = pr.connect(service=NAME, slices={"v6e-2x2": 2})
         mesh = erin.mesh((4,), ("d",))
