@@ -110,46 +110,28 @@ class Controller:
         self._sidecars_used = False
 
     def start(self) -> list[dict]:
-        """Reserve the slices, start their workers, open the command streams; returns
-        ``describe()``. (Not in ``__init__``: an error raised there reaches the caller
-        as Ray's ActorDiedError, losing its type; raised here it stays ours.)"""
+        """Reserve the slices (or take a lease's lent ones), start their workers, open
+        the command streams; returns ``describe()``. (Not in ``__init__``: an error
+        raised there reaches the caller as Ray's ActorDiedError, losing its type;
+        raised here it stays ours.)"""
         from pathways_ray.cluster import cluster_slices
 
         slices, reserve_timeout_s, compilation_cache_dir, multislice = self._args
-        if self._lease is not None:
-            return self._start_leased()
-        if slices is None:
+        if self._lease is None and slices is None:
             slices = [v.topology for v in cluster_slices() if v.idle and v.topology is not None]
             if not slices:
                 raise RuntimeError("no free TPU slice in the cluster to reserve")
-        self.multislice = multislice and len(slices) > 1
+        self.multislice = self._lease is None and multislice and len(slices) > 1
         opts = dict(timeout_s=reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
                     worker_cls=self.worker_cls)
         try:
-            if self.multislice:
-                self.slices.update((s.name, s) for s in Slice.reserve_joint(slices, **opts))
+            if self._lease is not None:  # lent by a shared service, already running
+                got = [Slice.borrowed(lent) for lent in self._lease["slices"]]
+            elif self.multislice:
+                got = Slice.reserve_joint(slices, **opts)
             else:
-                for s in _reserve_all(slices, opts):
-                    self.slices[s.name] = s
-            for s in self.slices.values():
-                self._channels[s.name] = self._open_streams(s)
-        except BaseException:
-            self.shutdown()
-            raise
-        for s in self.slices.values():
-            self._add_placement(Placement(s.name, (s,)))
-        self._shapes.update((name, s.topology) for name, s in self.slices.items())
-        self._monitor = HealthMonitor(self._streams, self._condemn,
-                                      step_timeout_s=timeout_s("step"),
-                                      compile_timeout_s=timeout_s("compile"),
-                                      also=self._sidecar_verdicts)
-        return self.describe()
-
-    def _start_leased(self) -> list[dict]:
-        for lent in self._lease["slices"]:
-            s = Slice.borrowed(lent)
-            self.slices[s.name] = s
-        try:
+                got = _reserve_all(slices, opts)
+            self.slices.update((s.name, s) for s in got)
             for s in self.slices.values():
                 self._channels[s.name] = self._open_streams(s)
         except BaseException:
