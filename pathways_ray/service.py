@@ -189,7 +189,12 @@ class Service:
     def attach(self, lease_id: str, token: str, controller) -> None:
         """The lease's controller (watched: when it dies, the lease ends)."""
         with self._cond:
-            self._book.check(lease_id, token).controller = controller
+            try:
+                self._book.check(lease_id, token).controller = controller
+            except KeyError:  # taken back before its controller started
+                raise LeaseRevoked(f"{lease_id} of service {self.name!r} ended before its "
+                                   f"controller started (no heartbeat for "
+                                   f"{self._heartbeat_s:g} s); connect again") from None
 
     def heartbeat(self, lease_id: str, token: str) -> bool:
         """False once the lease has ended (the client must stop using it)."""
