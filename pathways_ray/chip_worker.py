@@ -229,6 +229,16 @@ class ChipWorker:
         return self._channel.address, self._channel.token
 
     @ray.method(concurrency_group="control")
+    def relay(self, children: list[tuple[int, tuple[str, int], bytes]],
+              lease: str | None = None) -> None:
+        """Forward the command stream to ``children`` (``fanout.relay_tree``): their
+        ``(rank, address, secret)`` from ``open_channel``."""
+        self._check_lease(lease)
+        if self._channel is None:
+            raise RuntimeError("open_channel() has not run on this chip worker")
+        self._channel.relay(children, f"slice {self.info.slice_name}", timeout_s("stream"))
+
+    @ray.method(concurrency_group="control")
     def stage(self, refs: list, buffers: dict[int, list], source: str | tuple | None = None,
               lease: str | None = None) -> None:
         """Hand over, per buffer id, the pieces a later ``put`` in the stream assembles
@@ -340,6 +350,54 @@ class ChipWorker:
         self._after(after)
         self.executor.ready(buffer_ids)
         return True
+
+    # ---- profiling (client.profile, profile_trace.py) ------------------------------
+    @ray.method(concurrency_group="control")
+    def clock(self) -> int:
+        """This host's wall clock (ns): the controller aligns the chips' traces by it."""
+        return time.time_ns()
+
+    @ray.method(concurrency_group="control")
+    def profile(self, action: str, lease: str | None = None) -> list | None:
+        """``"start"`` JAX's profiler on this chip (XLA's own events plus a span per
+        command); ``"stop"`` it and return its events (``profile_trace.Event``, on this
+        host's wall clock)."""
+        import glob
+        import shutil
+        import tempfile
+
+        import jax
+
+        from pathways_ray import profile_trace
+
+        self._check_lease(lease)
+        if action == "start":
+            if getattr(self, "_profile_dir", None):
+                raise RuntimeError("a profile is already running on this chip worker")
+            self._profile_dir = tempfile.mkdtemp(prefix="pathways-ray-profile-")
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 0  # every Python call: far too many events
+            options.host_tracer_level = 2
+            jax.profiler.start_trace(self._profile_dir, profiler_options=options)
+            if self.executor is not None:
+                self.executor.tracing = True
+            return None
+        if action != "stop":
+            raise ValueError(f"action={action!r} must be 'start' or 'stop'")
+        where, self._profile_dir = getattr(self, "_profile_dir", None), None
+        if not where:
+            raise RuntimeError("no profile is running on this chip worker")
+        if self.executor is not None:
+            self.executor.tracing = False
+        try:
+            jax.profiler.stop_trace()
+            files = glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True)
+            if not files:
+                return []
+            with open(max(files, key=os.path.getmtime), "rb") as f:
+                return profile_trace.read_xspace(f.read())
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
 
     @ray.method(concurrency_group="control")
     def stats(self) -> dict:

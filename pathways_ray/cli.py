@@ -170,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--fleet", default=None, help="local fleet name, when several are running")
     svc.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                      help="status: redraw every SECONDS until Ctrl-C")
+    prof = sub.add_parser(
+        "profile", help="run a command with one trace recorded across every chip",
+        description="Run COMMAND (a script that calls pathways_ray.connect) with every client "
+        "it connects profiled from connect() to close(): each chip worker records JAX's "
+        "profiler, the controller and the client their dispatch spans, merged on one clock "
+        "into DIR/plugins/profile/<run>/pathways.perfetto.json.gz (ui.perfetto.dev) "
+        "and pathways.xplane.pb beside it (tensorboard --logdir DIR, or xprof DIR). "
+        "Keep the run short: every event is held in memory until the client closes. "
+        "In a script, "
+        "`with client.profile(dir):` records one part of it.")
+    prof.add_argument("--logdir", default=None,
+                      help="where traces go (default <PATHWAYS_RAY_DIR>/profiles)")
+    prof.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                      help="after `--`: the command to run")
     _add_plugins(sub)
     return parser
 
@@ -283,7 +297,9 @@ def cmd_cache(args) -> int:
 def cmd_slurm(args) -> int:
     from pathways_ray.slurm import SlurmJob, render_sbatch
 
-    command = args.job_command[1:] if args.job_command[:1] == ["--"] else args.job_command
+    command = list(args.job_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
     job = SlurmJob(tuple(command), (_topology(args),) * args.slices, nodes=args.nodes,
                    job_name=args.job_name, time_limit=args.time, partition=args.partition,
                    output=args.log, state_dir=args.state_dir, port=args.port,
@@ -450,8 +466,43 @@ def handle_sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
+def cmd_profile(args) -> int:
+    import subprocess
+
+    from pathways_ray.config import base_dir
+    from pathways_ray.profiling import PROFILE_ENV
+
+    command = list(args.job_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise ValueError("no command to profile: pathways-ray profile [--logdir DIR] -- "
+                         "python train.py")
+    log_dir = os.path.abspath(args.logdir or base_dir() / "profiles")
+    before = set(_traces(log_dir))
+    rc = subprocess.call(command, env={**os.environ, PROFILE_ENV: log_dir})
+    written = [p for p in _traces(log_dir) if p not in before]
+    if written:
+        console.print(f"traces written under {log_dir}:")
+        for path in written:
+            console.print(f"  {path} (tensorboard/xprof)")
+            chrome = path.replace(".xplane.pb", ".perfetto.json.gz")
+            console.print(f"  {chrome} (ui.perfetto.dev)")
+        console.print(f"view: tensorboard --logdir {log_dir}")
+    else:
+        err.print(f"[yellow]no trace was written under {log_dir}[/yellow]: did the command "
+                  f"call pathways_ray.connect() and close its client?")
+    return rc
+
+
+def _traces(log_dir: str) -> list[str]:
+    import glob
+
+    return sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb")))
+
+
 COMMANDS = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "demo": cmd_demo,
-            "service": cmd_service,
+            "service": cmd_service, "profile": cmd_profile,
             "chaos": cmd_chaos, "cache": cmd_cache, "slurm": cmd_slurm}
 
 

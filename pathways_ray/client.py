@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -24,6 +25,8 @@ from pathways_ray.dispatch import Dispatcher
 from pathways_ray.errors import ControllerDied, PathwaysError, SliceLost
 from pathways_ray.executor import assemble
 from pathways_ray.jit import Compiled, JitFunction
+from pathways_ray.profile_trace import Event
+from pathways_ray.profiling import PROFILE_ENV
 from pathways_ray.program import Program
 from pathways_ray.sharding import MeshShape, shard_slices, unique_shards
 
@@ -65,6 +68,12 @@ class Client:
                                  died=self._controller_died)
         if lease is not None:
             lease.attach(controller)  # the service ends the lease if the controller dies
+        self._spans = None  # the client's spans while a profile runs (profiling.py)
+        self._session_profile = None
+        if os.environ.get(PROFILE_ENV):  # pathways-ray profile -- ...: the whole session
+            from pathways_ray.profiling import Profile
+
+            self._session_profile = Profile(self, os.environ[PROFILE_ENV]).start()
 
     @property
     def lease(self) -> str | None:
@@ -233,9 +242,23 @@ class Client:
             self._registered.add(program.fingerprint)
         outs = [RemoteArray(self, next(self._ids), target, sig.shape, sig.dtype, program.mesh,
                             sig.spec) for sig in program.out_sigs]
+        t0 = time.time_ns() if self._spans is not None else 0
         self._queue.enqueue(target, Run(program.fingerprint, tuple(a._id for a in arrays),
                                         tuple(o._id for o in outs)))
+        if self._spans is not None:
+            self._spans.append(Event("calls", program.fun_name, t0, time.time_ns() - t0,
+                                     {"slice": target}))
         return jax.tree.unflatten(out_tree, outs)
+
+    def profile(self, log_dir: str | os.PathLike | None = None):
+        """Record one trace of everything this client runs, across every chip (a context
+        manager): ``with client.profile("/tmp/prof") as prof: ...``; then
+        ``prof.paths`` has a ``.perfetto.json.gz`` (ui.perfetto.dev) and an ``.xplane.pb``
+        (``tensorboard --logdir``/XProf). Default directory: ``$PATHWAYS_RAY_DIR/profiles``."""
+        from pathways_ray.profiling import Profile
+
+        self._check()
+        return Profile(self, log_dir)
 
     def _compile(self, program: Program, target: str) -> RemoteArray:
         """Ship ``program`` to ``target`` and compile it there without running it;
@@ -443,6 +466,12 @@ class Client:
 
         if self._closed:
             return
+        if self._session_profile is not None:  # pathways-ray profile: the whole session
+            prof, self._session_profile = self._session_profile, None
+            try:
+                prof.stop()
+            except PathwaysError as e:
+                logger.warning("the session's profile was not written: %s", e)
         self._closed = True
         self._queue.close()
         try:
@@ -468,7 +497,8 @@ class Client:
 def connect(slices: list | dict | None = None, *, service: str | None = None,
             lease_timeout_s: float | None = None, reserve_timeout_s: float | None = None,
             max_batch: int = 64, compilation_cache_dir: str | None = "default",
-            multislice: bool = False, controller_cls: type | None = None) -> Client:
+            multislice: bool = False, controller_cls: type | None = None,
+            fanout: int | None = None, simulated=None) -> Client:
     """Start a controller holding ``slices`` (default: every free slice) and return a client.
 
     With ``service="team"``, lease the slices from that shared service instead
@@ -488,7 +518,10 @@ def connect(slices: list | dict | None = None, *, service: str | None = None,
     span slices (``client.mesh(..., slices=[0, 1])``, collectives over DCN); each
     slice still runs its own programs too. The joined world is lost with any one
     slice. ``controller_cls`` replaces ``Controller`` (tests and benchmarks use
-    ``pathways_ray.testing.DebugController``).
+    ``pathways_ray.testing.DebugController``). ``fanout`` is how many hosts each host
+    relays a slice's command stream to (default ``$PATHWAYS_RAY_FANOUT`` or 8; 0: the
+    controller sends to every chip itself). ``simulated`` (a ``simulate.SimFleet``,
+    whose ``connect()`` passes it) runs the controller on simulated chips.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -511,6 +544,8 @@ def connect(slices: list | dict | None = None, *, service: str | None = None,
         grant = shared.lease(service, slices, timeout=lease_timeout_s)
         heartbeat = shared.Heartbeat(grant)
         specs = None
+    elif simulated is not None:  # running already, lent like a lease's (simulate.py)
+        grant, specs = {"token": None, "slices": simulated.lend()}, None
     elif isinstance(slices, dict):
         raise TypeError(f"slices={slices!r}: shapes with counts are for a shared service's "
                         f"lease (service=...); for a private controller pass a list of shapes")
@@ -540,7 +575,7 @@ def connect(slices: list | dict | None = None, *, service: str | None = None,
             grant = {**grant, "env": env["env_vars"]}
         actor = ray.remote(**options)(controller_cls or Controller).remote(
             specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
-            multislice=multislice, lease=grant)
+            multislice=multislice, lease=grant, fanout=fanout)
     except BaseException:
         if heartbeat is not None:
             heartbeat.release()

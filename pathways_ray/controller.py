@@ -41,7 +41,9 @@ from pathways_ray.channel import CommandChannel, dumps
 from pathways_ray.commands import Command, Compile, Free, Hold, HostCall, Load, Put, Run, placed
 from pathways_ray.config import timeout_s
 from pathways_ray.errors import SliceLost, WorkerDied
+from pathways_ray.fanout import default_fanout, relay_tree
 from pathways_ray.health import HealthMonitor, Regrower
+from pathways_ray.profile_trace import Event
 from pathways_ray.sharding import MeshShape, host_blocks, pack_transfer
 from pathways_ray.sidecar_host import _Out
 from pathways_ray.slice import Slice, ping_all
@@ -80,7 +82,8 @@ class Controller:
 
     def __init__(self, slices: list | None = None, reserve_timeout_s: float | None = None,
                  max_inflight: int = 8, compilation_cache_dir: str | None = None,
-                 multislice: bool = False, lease: dict | None = None):
+                 multislice: bool = False, lease: dict | None = None,
+                 fanout: int | None = None):
         self._args = (slices, reserve_timeout_s, compilation_cache_dir, multislice)
         # A lease of a shared service (service.py): its slices are lent, already running,
         # and every call to their chips presents the lease's token.
@@ -89,6 +92,9 @@ class Controller:
         if lease is not None:  # the client's settings (a private controller's come as its
             os.environ.update(lease.get("env", {}))  # runtime_env, inherited by its chips)
         self.max_inflight = max_inflight
+        # Hosts each host relays a slice's command stream to (fanout.py); 0: one stream
+        # per chip from here.
+        self.fanout = default_fanout() if fanout is None else fanout
         self.slices: dict[str, Slice] = {}
         self.lost: dict[str, SliceLost] = {}
         self._channels: dict[str, list[CommandChannel]] = {}
@@ -108,6 +114,8 @@ class Controller:
         self._replies: OrderedDict[int, list] = OrderedDict()  # sidecar call -> host results
         self._sidecar_pings: dict[str, tuple[float, list]] = {}  # slice -> (sent, refs)
         self._sidecars_used = False
+        self._spans: list | None = None  # dispatch spans while a profile runs
+        self.dispatched = {"batches": 0, "cpu_ns": 0}  # submit()'s own CPU (dispatch_stats)
 
     def start(self) -> list[dict]:
         """Reserve the slices (or take a lease's lent ones), start their workers, open
@@ -147,14 +155,33 @@ class Controller:
         return self.describe()
 
     def _open_streams(self, s: Slice) -> list[CommandChannel]:
+        """The command streams of a slice: one to its root, which relays to the rest
+        (``fanout.py``), or, with ``fanout=0``, one to every chip."""
+        def died(e):
+            return WorkerDied(f"a chip worker of {s.name} died before it started: {e}")
+
         ends = boundary.get(
             [w.handle.open_channel.remote(lease=self._token) for w in s.workers],
-            timeout="control",
-            what=f"opening the command streams of {s.name}",
-            died=lambda e: WorkerDied(f"a chip worker of {s.name} died before it started: {e}"))
+            timeout="control", what=f"opening the command streams of {s.name}", died=died)
+        targets = list(zip(s.workers, ends, strict=True))
+        if self.fanout and len(s.workers) > 1:
+            hosts: dict[int, list[int]] = {}
+            for w in s.workers:
+                hosts.setdefault(w.info.worker_id, []).append(w.rank)
+            tree = relay_tree(list(hosts.values()), self.fanout)
+            boundary.get([s.workers[r].handle.relay.remote(
+                              [(c, *ends[c]) for c in children], lease=self._token)
+                          for r, children in tree.items()],
+                         timeout="control", what=f"setting up the relays of {s.name}",
+                         died=died)
+            root = next(iter(hosts.values()))[0]
+            targets = [targets[root]]
+        relayed = f" (relaying to {len(s.workers) - 1} more)" if len(targets) == 1 < len(
+            s.workers) else ""
         return [CommandChannel(address, token, timeout_s=timeout_s("stream"),
-                               what=f"chip worker rank {w.rank} of slice {s.name}")
-                for w, (address, token) in zip(s.workers, ends, strict=True)]
+                               what=f"chip worker rank {w.rank} of slice {s.name}{relayed}",
+                               rank=w.rank)
+                for w, (address, token) in targets]
 
     def _add_placement(self, p: Placement) -> None:
         self.placements[p.name] = p
@@ -203,10 +230,13 @@ class Controller:
         nothing: the client that sent it is gone."""
         if self._closed:
             return
+        t0, cpu0 = time.time_ns(), time.thread_time_ns()
         p = self._place(where)
         batch: list[Command] = []
         live, loaded = self.arrays[where], self.loaded[where]
-        staged: list[dict[int, list]] = [{} for _ in p.workers]  # per worker: buffer -> refs
+        # Per worker, buffer -> its pieces; made only for a batch with puts (a step's batch
+        # has none, and a list per chip costs O(chips) per step at pod scale).
+        staged: list[dict[int, list]] | None = None
         for cmd in commands:
             match cmd:
                 case Run(fingerprint=fp) | Compile(fingerprint=fp) if fp not in loaded:
@@ -214,6 +244,8 @@ class Controller:
                     loaded.add(fp)
                     self.loads_sent[where] += 1
                 case Put(pieces=pieces) if pieces is not None:
+                    if staged is None:
+                        staged = [{} for _ in range(p.chips)]
                     for to_worker, mine in zip(staged, pieces, strict=True):  # own blocks
                         to_worker[cmd.buffer] = mine
                 case Free():
@@ -224,9 +256,10 @@ class Controller:
                     continue
             live.update(cmd.writes)
             batch.append(placed(cmd, p.start))
-        for w, buffers in zip(p.workers, staged, strict=True):  # one call per chip
-            if buffers:
-                self._stage(w, buffers, source)
+        if staged is not None:
+            for w, buffers in zip(p.workers, staged, strict=True):  # one call per chip
+                if buffers:
+                    self._stage(w, buffers, source)
         payload = dumps(batch)
         loads = any(isinstance(c, (Load, Compile)) for c in batch)  # compile deadline
         # Backpressure: a client that issues work faster than the slice runs it waits here.
@@ -238,6 +271,12 @@ class Controller:
                     raise self._lose(s.name, str(e)) from None
                 if loads:
                     self._last_load[s.name] = ch.sent
+        self.dispatched["batches"] += 1
+        self.dispatched["cpu_ns"] += time.thread_time_ns() - cpu0
+        if self._spans is not None:
+            self._spans.append(Event("dispatch", f"submit {where}", t0, time.time_ns() - t0,
+                                     {"commands": len(batch), "bytes": len(payload),
+                                      "batch": self._stream_of(p.slices[0].name)[0].sent}))
 
     def _stage(self, w, buffers: dict[int, list], source) -> None:
         """Give a chip the pieces of its coming puts, each distinct ref once (a transfer
@@ -362,8 +401,9 @@ class Controller:
         return verdicts
 
     def _sent(self, p: Placement) -> list[int]:
-        """Batches sent to each worker of a placement: what a query must wait for."""
-        return [ch.sent for s in p.slices for ch in self._stream_of(s.name)]
+        """Batches sent to each worker of a placement: what a query must wait for (every
+        stream of a slice carries every batch, relayed or not)."""
+        return [n for s in p.slices for n in [self._stream_of(s.name)[0].sent] * s.num_chips]
 
     def _stream_of(self, name: str) -> list[CommandChannel]:
         """The command streams of a live slice; ``SliceLost`` once it is lost."""
@@ -424,6 +464,54 @@ class Controller:
                                      for mine in per_dst])
                 for (*_, put), per_dst in zip(items, plan.pieces, strict=True)]
         self.submit(dst, puts, source=src)
+
+    def dispatch_stats(self) -> dict:
+        """Batches forwarded so far and the CPU their forwarding took on this actor's
+        thread (not the Ray call that brought each; ``benchmarks/dispatch_scale.py``)."""
+        return dict(self.dispatched)
+
+    # ---- profiling (client.profile) ----------------------------------------------
+    def _live_workers(self) -> list:
+        with self._lock:
+            return [(s, w) for s in self.slices.values() for w in s.workers]
+
+    def profile_start(self) -> None:
+        """Start JAX's profiler on every chip of every live slice, and record this
+        controller's dispatch spans."""
+        workers = self._live_workers()
+        boundary.get([w.handle.profile.remote("start", lease=self._token) for _, w in workers],
+                     timeout="control", what="starting the profiler on every chip")
+        self._spans = []
+
+    def profile_stop(self) -> dict:
+        """Stop the profilers; returns the dispatch spans and, per chip, its events with
+        its clock's measured offset from this one (``profile_trace.clock_offset``)."""
+        from pathways_ray.profile_trace import clock_offset
+
+        spans, self._spans = self._spans or [], None
+        workers = self._live_workers()
+        events = boundary.get([w.handle.profile.remote("stop", lease=self._token)
+                               for _, w in workers],
+                              timeout="fetch", what="the chips' profiles")
+        # One clock per host (its chips share it): a few round trips each, one at a time;
+        # the one with the least queueing is the best estimate.
+        offsets: dict[str, tuple[int, int]] = {}
+        for _, w in workers:
+            if w.info.node_id in offsets:
+                continue
+            samples = []
+            for _ in range(3):
+                sent = time.time_ns()
+                remote = boundary.get(w.handle.clock.remote(), timeout="control",
+                                      what="a chip's clock")
+                samples.append((sent, remote, time.time_ns()))
+            offsets[w.info.node_id] = clock_offset(samples)
+        chips = []
+        for (s, w), evs in zip(workers, events, strict=True):
+            offset, error = offsets[w.info.node_id]
+            chips.append({"slice": s.name, "rank": w.rank, "host": w.info.worker_id,
+                          "events": evs, "offset_ns": offset, "uncertainty_ns": error})
+        return {"controller": spans, "chips": chips}
 
     # ---- growing back -------------------------------------------------------------
     def grow(self, count: int) -> None:
@@ -509,6 +597,10 @@ class Controller:
         hosts.update(f"{name}/{sc.worker_id}" for sc, h in boundary.health(
             [(sc, sc.handle) for sc in s._sidecars or []], 2.0) if h != "ok")
         hosts = tuple(sorted(hosts))
+        silent = [w.rank for w in s.workers if health[w.rank] != "ok"]
+        if silent and len(silent) < len(s.workers):  # which chip, when the stream's end
+            shown = ", ".join(map(str, silent[:8])) + ("..." if len(silent) > 8 else "")
+            reason += f" (not answering: chip worker rank {shown})"  # was a relay's
         err = self.lost[name] = SliceLost(name, hosts, reason)
         logger.warning("%s", err)
         for ch in self._channels.pop(name, []):

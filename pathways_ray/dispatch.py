@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathways_ray import boundary
 from pathways_ray.commands import Command, Free
 from pathways_ray.errors import PathwaysError, SliceLost
+from pathways_ray.profile_trace import Event
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Dispatcher:
         self._submitted: deque = deque()  # (placement, ref of its submit)
         self.lost: dict[str, SliceLost] = {}  # slice name -> why it is gone
         self._error: BaseException | None = None  # raised at the next call of any kind
+        self.spans: list | None = None  # a span per batch sent, while a profile runs
         for name in names:
             self.add(name, [name])
         self._closed = False
@@ -149,7 +151,11 @@ class Dispatcher:
                 return
             self._pending[name] = []
             self._last_flush[name] = time.monotonic()
+            t0 = time.time_ns()
             self._submitted.append((name, self._controller.submit.remote(name, batch)))
+            if self.spans is not None:
+                self.spans.append(Event("dispatch", f"send {name}", t0, time.time_ns() - t0,
+                                        {"commands": len(batch)}))
             while len(self._submitted) > MAX_SUBMITTED:  # bound what waits at the controller
                 oldest, ref = self._submitted.popleft()
                 try:

@@ -64,7 +64,9 @@ class SliceLost(PathwaysError):
         self.slice = slice
         self.hosts = tuple(hosts)
         self.reason = reason
-        where = f" (host {', '.join(self.hosts)})" if self.hosts else ""
+        shown = ", ".join(self.hosts[:8]) + (f" and {len(self.hosts) - 8} more"
+                                             if len(self.hosts) > 8 else "")
+        where = f" (host {shown})" if self.hosts else ""
         super().__init__(f"slice {slice} was lost{where}: {reason or 'a chip worker died'}. "
                          f"Its arrays are gone; other slices keep running.")
 

@@ -104,6 +104,7 @@ class Executor:
         self._meshes: dict[MeshShape, object] = {}
         self.commands_run = 0
         self.batches_run = 0
+        self.tracing = False  # a profile is on: each command is a span of its own
         # program -> seconds of its first call: tracing, lowering and compiling (or a
         # persistent compilation cache load); the run itself is asynchronous
         self.first_call_s: dict[str, float] = {}
@@ -172,35 +173,45 @@ class Executor:
     # ---- commands --------------------------------------------------------------
     def run(self, commands: list[Command]) -> None:
         self.batches_run += 1
+        if self.tracing:
+            from jax.profiler import TraceAnnotation
+
+            for cmd in commands:
+                with TraceAnnotation(_name(cmd)[:40], batch=self.batches_run):
+                    self._one(cmd)
+            return
         for cmd in commands:
-            try:
-                match cmd:
-                    case Run():
-                        self._run(cmd)
-                    case Put():
-                        self._put(cmd)
-                    case Reshard():
-                        self._reshard(cmd)
-                    case Free():
-                        for i in cmd.buffers:
-                            self.buffers.pop(i, None)
-                    case Load():
-                        self._load(cmd)
-                    case Compile():
-                        self._compile(cmd)
-                    case Hold():
-                        self._hold(cmd)
-                    case Save():
-                        self._save(cmd)
-                    case Restore():
-                        self._restore(cmd)
-                    case _:
-                        raise TypeError(f"unknown command {cmd!r}")
-            except (PathwaysError, RemoteError) as e:  # the platform, or a sidecar, failed
-                self._fail(cmd, Failed(_name(cmd), traceback.format_exc(), e))
-            except Exception:  # noqa: BLE001 - recorded on the outputs, worker lives on
-                self._fail(cmd, Failed(_name(cmd), traceback.format_exc()))
-            self.commands_run += 1
+            self._one(cmd)
+
+    def _one(self, cmd: Command) -> None:
+        try:
+            match cmd:
+                case Run():
+                    self._run(cmd)
+                case Put():
+                    self._put(cmd)
+                case Reshard():
+                    self._reshard(cmd)
+                case Free():
+                    for i in cmd.buffers:
+                        self.buffers.pop(i, None)
+                case Load():
+                    self._load(cmd)
+                case Compile():
+                    self._compile(cmd)
+                case Hold():
+                    self._hold(cmd)
+                case Save():
+                    self._save(cmd)
+                case Restore():
+                    self._restore(cmd)
+                case _:
+                    raise TypeError(f"unknown command {cmd!r}")
+        except (PathwaysError, RemoteError) as e:  # the platform, or a sidecar, failed
+            self._fail(cmd, Failed(_name(cmd), traceback.format_exc(), e))
+        except Exception:  # noqa: BLE001 - recorded on the outputs, worker lives on
+            self._fail(cmd, Failed(_name(cmd), traceback.format_exc()))
+        self.commands_run += 1
 
     def _fail(self, cmd: Command, failed: Failed) -> None:
         for out_id in cmd.writes:

@@ -114,8 +114,8 @@ class HealthMonitor:
             seen.add(id(ch))
             closed, progress, frames = ch.probe()
             if closed:
-                condemned[name] = (f"the command stream to {ch.what} closed: its process or "
-                                   f"host died")
+                condemned[name] = getattr(ch, "blame", None) or (
+                    f"the command stream to {ch.what} closed: its process or host died")
                 continue
             st = self._state.setdefault(id(ch), StreamState(progress, now, frames, now))
             if progress != st.progress:

@@ -41,6 +41,10 @@ class DebugController(Controller):
     def pid(self) -> int:
         return os.getpid()
 
+    def worker_pids(self, slice_name: str) -> list[int]:
+        """The process ids of a slice's chip workers, in rank order."""
+        return [w.info.pid for w in self._place(slice_name).workers]
+
     def repeat(self, slice_name: str, fingerprint: str, buffer_id: int, k: int) -> list:
         """Refs of every worker running the program k times itself."""
         p = self._place(slice_name)

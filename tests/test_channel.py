@@ -143,3 +143,115 @@ def test_a_dead_worker_shows_at_the_next_send_not_after_the_inflight_window():
         ch.send(dumps(["b"]), max_inflight=8)
     assert time.monotonic() - t0 < 1
     ch.close()
+
+
+# ---- relaying (fanout.py): one stream into a tree of workers ----------------------------
+def _tree(n: int, gates: dict | None = None):
+    """Worker 0 relays to 1 and 2; worker 1 relays to 3 (a host leader below the root)."""
+    seen = {i: [] for i in range(n)}
+    gates = gates or {}
+
+    def handler_of(i):
+        def handler(batch):
+            if i in gates:
+                gates[i].wait(30)
+            seen[i].append(batch)
+        return handler
+
+    servers = [ChannelServer("127.0.0.1", handler_of(i)) for i in range(n)]
+    ends = [(i, s.address, s.token) for i, s in enumerate(servers)]
+    servers[1].relay([ends[3]], "slice t", timeout_s=10)
+    servers[0].relay([ends[1], ends[2]], "slice t", timeout_s=10)
+    return servers, seen
+
+
+def test_a_relayed_stream_reaches_every_worker_in_order_and_acks_for_the_whole_tree():
+    gates = {3: threading.Event()}  # the deepest worker is slow
+    servers, seen = _tree(4, gates)
+    ch = CommandChannel(servers[0].address, servers[0].token, timeout_s=10)
+    try:
+        for i in range(20):
+            ch.send(dumps([("run", i)]))
+        time.sleep(0.3)
+        ch.poll()
+        assert ch.acked == 0, "the root acknowledged batches that a worker below had not run"
+        assert len(seen[0]) == len(seen[1]) == len(seen[2]) == 20 and seen[3] == []
+        gates[3].set()
+        ch.wait_acked(20)
+        for i in range(4):
+            assert seen[i] == [[("run", k)] for k in range(20)]
+            servers[i].wait_for(20, 1)  # every worker counts the same batches (queries)
+        for i in range(50):  # backpressure holds through the tree
+            ch.send(dumps([i]), max_inflight=2)
+            assert ch.sent - ch.acked <= 3
+    finally:
+        ch.close()
+        for s in servers:
+            s.close()
+
+
+def test_a_worker_below_a_relay_that_dies_is_reported_by_rank():
+    servers, _ = _tree(4)
+    ch = CommandChannel(servers[0].address, servers[0].token, timeout_s=10, what="rank 0")
+    try:
+        ch.send(dumps([1]))
+        ch.wait_acked(1)
+        servers[3].close()  # the worker two hops down dies
+        t0 = time.monotonic()
+        while not ch.probe()[0]:
+            assert time.monotonic() - t0 < 5, "the monitor never saw the death below the root"
+            time.sleep(0.05)
+        assert ch.blame and "chip worker rank 3" in ch.blame
+        with pytest.raises(WorkerDied, match="chip worker rank 3"):
+            for i in range(10):
+                ch.send(dumps([i]))
+                time.sleep(0.05)
+    finally:
+        ch.close()
+        for s in servers:
+            s.close()
+
+
+def _serve_in_process(conn):
+    """A worker in a process of its own (so that it can be frozen and killed for real)."""
+    srv = ChannelServer("127.0.0.1", lambda batch: None)
+    conn.send((srv.address, srv.token))
+    conn.recv()  # until the test ends
+
+
+def test_a_frozen_worker_below_a_relay_silences_the_root_and_a_killed_one_is_named():
+    import multiprocessing
+    import os
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_serve_in_process, args=(there,), daemon=True)
+    proc.start()
+    address, token = here.recv()
+    root = ChannelServer("127.0.0.1", lambda batch: None)
+    root.relay([(5, address, token)], "slice t", timeout_s=10)
+    ch = CommandChannel(root.address, root.token, timeout_s=10, what="rank 0")
+    try:
+        ch.send(dumps([0]))
+        ch.wait_acked(1)
+        os.kill(proc.pid, signal.SIGSTOP)
+        ch.send(dumps([1]))
+        time.sleep(1.5)  # the relay notices the silence below it (SILENT_S)
+        _, progress, frames0 = ch.probe()
+        time.sleep(1.5)  # three heartbeat periods
+        closed, progress1, frames1 = ch.probe()
+        assert not closed and progress == progress1 == 1
+        assert frames1 == frames0, "the root kept heartbeating while a worker below it froze"
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while not ch.probe()[0]:
+            assert time.monotonic() - t0 < 5, "the killed worker below the root went unseen"
+            time.sleep(0.05)
+        assert "chip worker rank 5" in ch.blame
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+        ch.close()
+        root.close()

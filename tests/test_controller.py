@@ -368,6 +368,62 @@ def test_lm_parity_with_single_process_run(client):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+def test_a_profile_of_5_steps_on_2_slices_is_one_trace_of_every_chip(client, mesh, tmp_path):
+    """client.profile(): every chip of both slices, the controller's dispatch spans and the
+    client's, in one file that XProf (TensorBoard's profile plugin) loads, on one clock."""
+    import gzip
+    import json
+
+    from xprof.convert import raw_to_tool_data
+
+    xs = [client.device_put(np.full((8, 8), 0.5, np.float32), NamedSharding(mesh, P("data")),
+                            slice=i) for i in (0, 1)]
+    step = client.jit(lambda v: jnp.tanh(v @ v.T) + 0.1)
+    xs = [step(x) for x in xs]  # loaded and compiled before the profile
+    client.block_until_ready(xs)
+    with client.profile(tmp_path) as prof:
+        for _ in range(5):
+            xs = [step(x) for x in xs]
+        client.block_until_ready(xs)
+    assert prof.paths["xplane"].startswith(str(tmp_path))
+
+    out, _ = raw_to_tool_data.xspace_to_tool_data([prof.paths["xplane"]], "trace_viewer", {})
+    trace = json.loads(out)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"].removeprefix("/device:CUSTOM:") for e in trace
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    spans: dict[str, list] = {}
+    for e in trace:
+        if e.get("ph") == "X":
+            spans.setdefault(names[e["pid"]], []).append(e)
+    for s in client.slices:
+        for rank in range(4):
+            chip = spans.get(f"{s.name} chip {rank} (host 0)", [])
+            runs = [e for e in chip if e["name"].startswith("run ")]
+            assert len(runs) >= 5, f"{s.name} chip {rank}: {len(runs)} run spans in {len(chip)}"
+            assert any("hlo_op" in e.get("args", {}) for e in chip), "no XLA op on the chip"
+    submits = [e for e in spans["controller"] if e["name"].startswith("submit ")]
+    assert {e["name"] for e in submits} == {f"submit {s.name}" for s in client.slices}
+    client_calls = [e for e in spans["client"] if e["name"] == "<lambda>"]
+    assert len(client_calls) == 10, [e["name"] for e in spans["client"]]
+    assert any(e["name"].startswith("send ") for e in spans["client"])
+
+    # One clock: on one machine every chip's measured offset is under a millisecond, and
+    # each slice's first chip span starts after the controller began sending to it.
+    assert prof.clocks and all(abs(off) < 1_000_000 for off, _ in prof.clocks.values())
+    for s in client.slices:
+        first_submit = min(e["ts"] for e in submits if e["name"] == f"submit {s.name}")
+        first_run = min(e["ts"] for r in range(4)
+                        for e in spans[f"{s.name} chip {r} (host 0)"]
+                        if e["name"].startswith("run "))
+        assert first_run >= first_submit - 1000, (first_submit, first_run)  # us
+
+    # The same tracks in the Perfetto (Chrome JSON) file.
+    with gzip.open(prof.paths["perfetto"], "rt") as f:
+        chrome = json.load(f)["traceEvents"]
+    tracks = {e["args"]["name"] for e in chrome if e.get("name") == "process_name"}
+    assert tracks == set(spans) | {"client", "controller"}
+
+
 def test_persistent_compilation_cache(client, tmp_path):
     """A program compiled once is stored in the cache directory; a second client in a new
     process, on a fresh fleet of its own, loads it instead of compiling: every chip counts
@@ -404,3 +460,4 @@ def test_persistent_compilation_cache(client, tmp_path):
     status = subprocess.run([sys.executable, "-m", "pathways_ray.cli", "cache", "status",
                              "--dir", cache], capture_output=True, text=True, timeout=60)
     assert f"{sum(w['misses'] for w in again)} misses" in status.stdout, status.stdout
+

@@ -208,3 +208,95 @@ def test_asking_for_more_slices_than_free_fails_clearly_and_holds_none(fleet):
     _all_free_within(30)
     with connect() as client:  # and both can be reserved again
         assert len(client.slices) == 2
+
+
+def test_a_chip_behind_a_relay_frozen_or_killed_loses_its_slice_naming_the_chip(fleet,
+                                                                                monkeypatch):
+    """The controller sends to each slice's first chip, which relays to the others
+    (fanout.py). Freezing one relayed chip (SIGSTOP on its process only) silences the
+    whole stream: the slice is lost at the step deadline, naming that chip; killing
+    one loses its slice at once, naming it, through the relay's report."""
+    import os
+    import signal
+
+    from pathways_ray.testing import DebugController
+
+    monkeypatch.setenv("PATHWAYS_RAY_STEP_TIMEOUT_S", "3")
+    _restore(fleet)
+    client = connect(controller_cls=DebugController)
+    stopped = None
+    try:
+        s0, s1 = (s.name for s in client.slices)
+        sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
+        x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+        step = client.jit(_step)
+        a, b = client.device_put(x, sh, slice=s0), client.device_put(x, sh, slice=s1)
+        a, b = step(a), step(b)
+        np.testing.assert_array_equal(a.fetch(), b.fetch())
+        pids0 = ray.get(client._controller.worker_pids.remote(s0))
+        pids1 = ray.get(client._controller.worker_pids.remote(s1))
+
+        stopped = pids1[2]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(SliceLost) as lost:
+            step(b).fetch()
+        took = time.monotonic() - t0
+        assert 3 <= took < 20, f"took {took:.1f}s"
+        assert "frozen" in lost.value.reason and "chip worker rank 2" in lost.value.reason
+        assert lost.value.hosts == (f"{s1}/0",)
+        np.testing.assert_allclose(step(a).fetch(), _expected(x, 2), rtol=1e-5, atol=1e-6)
+
+        os.kill(pids0[3], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(SliceLost) as lost:
+            for _ in range(100):  # the first may already be running; the loss shows soon
+                a = step(a)
+            a.fetch()
+        assert time.monotonic() - t0 < 10
+        assert "chip worker rank 3" in str(lost.value), lost.value
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        client.close()
+
+
+def test_a_simulated_pod_slice_relays_every_batch_and_a_lost_relay_is_named(fleet):
+    """Dispatch at pod scale runs on simulated chips (simulate.py): 64 chips on 16 hosts,
+    3 relay levels, in 4 processes. Every chip runs every batch in order; killing the
+    process of the last 16 chips loses the slice with a SliceLost naming a chip, not a
+    hang or a Ray error."""
+    import os
+    import signal
+
+    from pathways_ray.simulate import SimFleet
+
+    with SimFleet(["v5p-4x4x4"], processes=4) as sim:
+        client = sim.connect(max_batch=1)
+        try:
+            sh = NamedSharding(client.mesh((64,), ("chips",)), P("chips"))
+            z = client.device_put(np.ones((64, 2), np.float32), sh)
+            step = client.jit(lambda v: v * 0.5 + 1.0)
+            for _ in range(30):
+                z = step(z)
+            client.block_until_ready([z])
+            stats = sim.stats()
+            assert len(stats) == 64 and all(s["missing_reads"] == 0 for s in stats)
+            seen = {(s["batches"], s["commands"], s["buffers"]) for s in stats}
+            assert len(seen) == 1, f"the chips ran different streams: {seen}"
+            batches, commands, buffers = seen.pop()
+            assert batches >= 31 and commands >= 32 and buffers == 1  # put, load, 30 runs
+
+            os.kill(sim.pids()[-1], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(SliceLost) as lost:
+                for _ in range(100):
+                    z = step(z)
+                client.block_until_ready([z])
+            assert time.monotonic() - t0 < 20
+            assert "chip worker rank" in str(lost.value)
+        finally:
+            client.close()
