@@ -110,6 +110,7 @@ class ChannelServer:
         self._children: list[CommandChannel] = []  # the workers this one relays to
         self._dead: set[int] = set()  # children whose stream closed (reported upstream)
         self._acked_up = 0  # the count last acknowledged upstream
+        self._watching = False  # the thread that reads the children's acks runs
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name="pathways-ray-commands")
         self._thread.start()
@@ -128,7 +129,7 @@ class ChannelServer:
             self._dead = set()
         for ch in old:
             ch.close()
-        if chans and not getattr(self, "_watching", False):
+        if chans and not self._watching:
             self._watching = True
             threading.Thread(target=self._watch_children, daemon=True,
                              name="pathways-ray-relay").start()

@@ -300,3 +300,48 @@ def test_a_simulated_pod_slice_relays_every_batch_and_a_lost_relay_is_named(flee
             assert "chip worker rank" in str(lost.value)
         finally:
             client.close()
+
+
+def test_pathways_ray_profile_records_a_whole_job(fleet, tmp_path):
+    """`pathways-ray profile -- python job.py`: the job's client records from connect() to
+    close(), and the command prints where the trace went; the trace has every chip of the
+    job's slice, the controller and the client."""
+    import glob
+    import os
+    import subprocess
+    import sys
+
+    from jax.profiler import ProfileData
+
+    _restore(fleet)
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+        "import pathways_ray as pr\n"
+        "pr.Fleet.attach()\n"
+        "client = pr.connect(slices=['v6e-2x2'])\n"
+        "sh = NamedSharding(client.mesh((4,), ('chips',)), P('chips'))\n"
+        "x = client.device_put(np.ones((8, 4), np.float32), sh)\n"
+        "step = client.jit(lambda v: v * 0.5 + 1.0)\n"
+        "for _ in range(3):\n"
+        "    x = step(x)\n"
+        "print('RESULT', float(x.fetch()[0, 0]))\n"
+        "client.close()\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "pathways_ray.cli", "profile", "--logdir", str(tmp_path / "p"),
+         "--", sys.executable, str(script)],
+        env={**os.environ, **fleet.env, "COLUMNS": "300"}, capture_output=True, text=True,
+        timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT 1.875" in out.stdout
+    (xplane,) = glob.glob(str(tmp_path / "p" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert xplane in out.stdout and "ui.perfetto.dev" in out.stdout
+    planes = {p.name.removeprefix("/device:CUSTOM:"): p
+              for p in ProfileData.from_file(xplane).planes}
+    chips = [n for n in planes if " chip " in n]
+    assert len(chips) == 4 and {"client", "controller"} <= set(planes)
+    for name in chips:
+        runs = [e for line in planes[name].lines for e in line.events
+                if e.name.startswith("run ")]
+        assert len(runs) == 3, (name, len(runs))
