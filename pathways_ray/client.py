@@ -528,6 +528,10 @@ def connect(slices: list | dict | None = None, *, service: str | None = None,
 
     from pathways_ray.controller import Controller
 
+    if fanout is not None:
+        from pathways_ray.fanout import check_fanout
+
+        check_fanout(fanout)
     if not ray.is_initialized():
         raise RuntimeError("not connected to a Ray cluster; start a pathways_ray.LocalFleet "
                            "or call pathways_ray.Fleet.attach(address) first")

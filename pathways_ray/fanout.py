@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["FANOUT_ENV", "default_fanout", "relay_tree"]
+__all__ = ["FANOUT_ENV", "check_fanout", "default_fanout", "relay_tree"]
 
 FANOUT_ENV = "PATHWAYS_RAY_FANOUT"
 DEFAULT_FANOUT = 8  # hosts a host forwards to: 64 hosts (256 chips) are 2 hops deep
@@ -39,6 +39,14 @@ def default_fanout() -> int:
     if value < 0:
         raise ValueError(f"{FANOUT_ENV}={raw!r} must be 0 (no relaying) or more")
     return value
+
+
+def check_fanout(fanout) -> int:
+    """``fanout`` as given to ``connect(fanout=)``, or a ``ValueError`` saying what fits."""
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 0:
+        raise ValueError(f"fanout={fanout!r} must be a whole number of hosts each host relays "
+                         f"to (8 by default), or 0 for one stream per chip")
+    return fanout
 
 
 def relay_tree(hosts: Sequence[Sequence[int]], fanout: int) -> dict[int, list[int]]:

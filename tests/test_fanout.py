@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pathways_ray.fanout import FANOUT_ENV, default_fanout, relay_tree
+from pathways_ray.fanout import FANOUT_ENV, check_fanout, default_fanout, relay_tree
 
 
 def _depth(tree: dict[int, list[int]], root: int) -> int:
@@ -54,3 +54,10 @@ def test_the_setting(monkeypatch):
         monkeypatch.setenv(FANOUT_ENV, bad)
         with pytest.raises(ValueError, match=FANOUT_ENV):
             default_fanout()
+
+
+def test_a_bad_fanout_argument_is_named():
+    assert check_fanout(0) == 0 and check_fanout(16) == 16
+    for bad in (-1, 2.5, "8", True):
+        with pytest.raises(ValueError, match=r"fanout=.* or 0 for one stream per chip"):
+            check_fanout(bad)
