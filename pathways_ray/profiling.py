@@ -67,9 +67,9 @@ class Profile:
         self.paths = profile_trace.write(self.tracks, self.log_dir, self.run)
         chips = len(self.tracks) - 2
         events = sum(len(t.events) for t in self.tracks)
-        logger.warning("profile of %d chips (%d events) written: %s (ui.perfetto.dev) and "
-                       "%s (tensorboard --logdir %s)", chips, events, self.paths["perfetto"],
-                       self.paths["xplane"], self.log_dir)
+        logger.info("profile of %d chips (%d events) written: %s (ui.perfetto.dev) and "
+                    "%s (tensorboard --logdir %s)", chips, events, self.paths["perfetto"],
+                    self.paths["xplane"], self.log_dir)
         return self.paths
 
     def __enter__(self) -> Profile:

@@ -48,6 +48,18 @@ def _expected(x: np.ndarray, n: int) -> np.ndarray:
     return x
 
 
+def _one_step_on_both(client):
+    """The same step on both slices, checked equal: ``(s0, s1, x, step, a, b)``."""
+    s0, s1 = (s.name for s in client.slices)
+    sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    step = client.jit(_step)
+    a, b = client.device_put(x, sh, slice=s0), client.device_put(x, sh, slice=s1)
+    a, b = step(a), step(b)
+    np.testing.assert_array_equal(a.fetch(), b.fetch())
+    return s0, s1, x, step, a, b
+
+
 def test_losing_a_host_raises_slice_lost_and_the_other_slice_runs_on(fleet):
     """Steps run on both slices; slice 1's host is removed. The next call touching slice
     1 raises SliceLost naming the slice and its host within seconds (not a Ray error,
@@ -137,13 +149,7 @@ def test_a_frozen_host_is_caught_by_the_step_deadline(fleet, monkeypatch):
     _restore(fleet)
     client = connect()
     try:
-        s0, s1 = (s.name for s in client.slices)
-        sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
-        x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
-        step = client.jit(_step)
-        a, b = client.device_put(x, sh, slice=s0), client.device_put(x, sh, slice=s1)
-        a, b = step(a), step(b)
-        np.testing.assert_array_equal(a.fetch(), b.fetch())
+        s0, s1, x, step, a, b = _one_step_on_both(client)
         fleet.freeze_host(s1, 0)
         fleet.removed.append(s1)
         t0 = time.monotonic()
@@ -226,13 +232,7 @@ def test_a_chip_behind_a_relay_frozen_or_killed_loses_its_slice_naming_the_chip(
     client = connect(controller_cls=DebugController)
     stopped = None
     try:
-        s0, s1 = (s.name for s in client.slices)
-        sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
-        x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
-        step = client.jit(_step)
-        a, b = client.device_put(x, sh, slice=s0), client.device_put(x, sh, slice=s1)
-        a, b = step(a), step(b)
-        np.testing.assert_array_equal(a.fetch(), b.fetch())
+        s0, s1, x, step, a, b = _one_step_on_both(client)
         pids0 = ray.get(client._controller.worker_pids.remote(s0))
         pids1 = ray.get(client._controller.worker_pids.remote(s1))
 
