@@ -9,6 +9,12 @@ streaming, and reports output tokens/s and time to first token (median, p90).
 
     python benchmarks/serve_throughput.py [--concurrency 1 8 32] [--max-tokens 64]
 
+For each level it also prints the CPU-seconds per 1,000 streamed tokens of every
+process on the path (vLLM's server: its process tree; ours: every process of the
+emulated fleet: raylets, GCS, HTTP proxy, ingress, replica, engine), split into the
+engine (vLLM's ``VLLM::EngineCore`` and ``VLLM::Worker`` processes) and the serving
+path (all the rest).
+
 ``--stream-batching-ms 200`` adds a run whose replica batches streamed tokens
 for 200 ms instead of Ray Serve LLM's 50 ms. ``--direct-streaming`` adds a
 run with Ray Serve LLM's experimental direct streaming
@@ -34,6 +40,7 @@ import sys
 import time
 import urllib.request
 
+import psutil
 from openai import AsyncOpenAI
 
 PROMPTS = [
@@ -84,12 +91,42 @@ async def _level(url, model, streams, rounds, max_tokens):
             "ttft_p90": ttfts[math.ceil(0.9 * len(ttfts)) - 1], "tokens": tokens, "wall": wall}
 
 
-def measure(url, model, args):
+def _cpu(procs) -> dict[int, tuple[bool, float]]:
+    """pid -> (is an engine process, CPU seconds so far)."""
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (p.name().startswith("VLLM::"), t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _cpu_delta(before, after) -> tuple[float, float]:
+    """(engine, serving path) CPU seconds between two _cpu snapshots."""
+    engine = path = 0.0
+    for pid, (is_engine, t) in after.items():
+        d = t - before.get(pid, (is_engine, 0.0))[1]
+        if is_engine:
+            engine += d
+        else:
+            path += d
+    return engine, path
+
+
+def measure(url, model, args, procs):
+    """Each concurrency level; ``procs()`` lists the processes whose CPU counts."""
     out = {}
     for c in args.concurrency:
+        before = _cpu(procs())
         r = asyncio.run(_level(url, model, c, args.rounds, args.max_tokens))
+        engine, path = _cpu_delta(before, _cpu(procs()))
+        k = 1000 / max(1, r["tokens"])
+        r.update(cpu_engine=engine * k, cpu_path=path * k)
         print(f"    {c:3d} streams: {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
-              f"p90 {r['ttft_p90']:.2f}s  ({r['tokens']} tokens in {r['wall']:.1f}s)",
+              f"p90 {r['ttft_p90']:.2f}s  ({r['tokens']} tokens in {r['wall']:.1f}s); CPU-s "
+              f"per 1k tokens: engine {r['cpu_engine']:.1f}, serving path {r['cpu_path']:.1f}",
               flush=True)
         out[c] = r
     return out
@@ -123,7 +160,8 @@ def run_vllm_serve(args, ckpt):
         url = f"http://127.0.0.1:{port}/v1"
         up = _wait_http(url, proc, 600)
         print(f"  vllm api_server up in {up:.0f}s", flush=True)
-        return measure(url, "smollm2", args)
+        root = psutil.Process(proc.pid)
+        return measure(url, "smollm2", args, lambda: [root, *root.children(recursive=True)])
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=60)
@@ -139,7 +177,9 @@ def run_ray_serve(args, direct: bool = False, interval_ms: int | None = None):
     from pathways_ray.serve import llm_config, serve_llm, shutdown_llm
 
     name = "bench-serve-direct" if direct else "bench-serve"
-    with LocalFleet(num_slices=1, topology="2x2", name=name, log_to_driver=False):
+    from pathways_ray import _procs
+
+    with LocalFleet(num_slices=1, topology="2x2", name=name, log_to_driver=False) as fleet:
         t0 = time.monotonic()
         url = serve_llm(llm_config("smollm2", topology="2x2", platform="cpu",
                                    max_model_len=args.max_model_len,
@@ -147,7 +187,8 @@ def run_ray_serve(args, direct: bool = False, interval_ms: int | None = None):
                         port=_free_port())
         print(f"  Ray Serve LLM app up in {time.monotonic() - t0:.0f}s", flush=True)
         try:
-            return measure(url, "smollm2", args)
+            return measure(url, "smollm2", args,
+                           lambda: _procs.find(_procs.FLEET_ENV, fleet.fleet_id))
         finally:
             shutdown_llm(None)
 
@@ -180,12 +221,14 @@ def main():
         runs["... direct streaming"] = run_ray_serve(args, direct=True)
     for title, ours in runs.items():
         print(f"\n{title} vs vllm api_server")
-        print("streams  tok/s ours/vllm   TTFT p50 ours/vllm (s)   tok/s ratio  TTFT ratio")
+        print("streams  tok/s ours/vllm   TTFT p50 ours/vllm (s)   tok/s ratio  TTFT ratio"
+              "   CPU-s/1k tokens, serving path ours/vllm (engine ours/vllm)")
         for c in args.concurrency:
             o, r = ours[c], ref[c]
             print(f"{c:7d}  {o['tok_s']:6.1f}/{r['tok_s']:<6.1f}   {o['ttft_p50']:6.2f}/"
                   f"{r['ttft_p50']:<6.2f}          {o['tok_s'] / r['tok_s']:5.2f}x      "
-                  f"{o['ttft_p50'] / r['ttft_p50']:5.2f}x")
+                  f"{o['ttft_p50'] / r['ttft_p50']:5.2f}x      {o['cpu_path']:5.1f}/"
+                  f"{r['cpu_path']:<5.1f} ({o['cpu_engine']:.1f}/{r['cpu_engine']:.1f})")
 
 
 if __name__ == "__main__":  # vLLM's engine processes re-import this file

@@ -75,6 +75,11 @@ def kill(procs: list[psutil.Process], *, grace_s: float, sig: int = signal.SIGTE
             pass
     _, alive = psutil.wait_procs(alive, timeout=5)
     for p in alive:
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:  # dead; its parent has not reaped it
+                continue
+        except psutil.NoSuchProcess:
+            continue
         logger.warning("process %s survived SIGKILL", p.pid)
 
 

@@ -291,10 +291,23 @@ class LocalFleet(Fleet):
         if _procs.find(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key)):
             raise FleetError(f"host {plan.key} is still running; remove_host() it first")
         i = self.hosts.index(plan)
-        self._port_pool = self._take_ports(4)
-        proc = self._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", plan.key,
-                           plan.start_args(self.address), {**plan.env, _procs.HOST_ENV: plan.key})
-        self._wait_started([(plan.key, proc)], time.monotonic(), timeout_s=timeout_s)
+        for attempt in (1, 2):
+            self._port_pool = self._take_ports(4)
+            proc = self._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", plan.key,
+                               plan.start_args(self.address),
+                               {**plan.env, _procs.HOST_ENV: plan.key})
+            try:
+                self._wait_started([(plan.key, proc)], time.monotonic(), timeout_s=timeout_s)
+                break
+            except FleetError as e:
+                # `ray start` gives a raylet 30 s (fixed) to register; a loaded machine
+                # can miss that once. Clear what it left and start it again.
+                _procs.kill_all(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key),
+                                grace_s=0, sig=_procs.signal.SIGKILL)
+                if attempt == 2 or "timed out during startup" not in str(e):
+                    raise
+                logger.warning("host %s did not register in time; starting it again",
+                               plan.key)
         if self.connect:
             self._wait_registered(time.monotonic(), timeout_s=timeout_s)
         return self.node_ids.get(plan.key, "")

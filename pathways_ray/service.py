@@ -554,10 +554,13 @@ def lease(name: str, slices, *, timeout: float | None = None) -> dict:
                                "queue (%.0f s so far)", _wants(wants), name, shown,
                                got["queue"], time.monotonic() - t0)
     except BaseException:
+        # Wait (briefly) for the service to take the request off its queue, so that who
+        # gave up has left it by the time the error reaches them.
         try:
-            svc.cancel.remote(rid)
-        except Exception:  # noqa: BLE001 - the service is gone
-            pass
+            boundary.get(svc.cancel.remote(rid), timeout=5.0,
+                         what=f"leaving service {name!r}'s queue", died=died)
+        except Exception:  # noqa: BLE001 - the service is gone or slow: it drops the
+            pass           # request anyway once its polls stop (heartbeat_s)
         raise
 
 

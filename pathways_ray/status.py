@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rich.table import Table
 
@@ -32,15 +32,18 @@ def _workers_cell(workers: list[dict]) -> str:
     return f"ranks {ranks[0]}-{ranks[-1]}: " + ", ".join(parts)
 
 
-def render_status(slices: Sequence[SliceView], registered: Sequence[dict] = ()) -> Table:
-    """One row per TPU host, grouped by slice."""
+def render_status(slices: Sequence[SliceView], registered: Sequence[dict] = (),
+                  serving: Mapping[str, Sequence[str]] | None = None) -> Table:
+    """One row per TPU host, grouped by slice. ``serving`` (slice name -> one line per
+    Serve replica it hosts, e.g. ``"llm/smollm2 running"``) adds a column when given."""
     by_slice = {r["name"]: r for r in registered}
     table = Table(title="pathways-ray fleet", title_justify="left")
-    for col in ("slice", "pod type", "topology", "host", "node", "chips used", "host",
-                "chip workers"):
-        table.add_column(col, no_wrap=col != "chip workers")
+    cols = ["slice", "pod type", "topology", "host", "node", "chips used", "host",
+            "chip workers"] + (["serves"] if serving else [])
+    for col in cols:
+        table.add_column(col, no_wrap=col not in ("chip workers", "serves"))
     if not slices:
-        table.add_row("(no TPU hosts)", "", "", "", "", "", "", "")
+        table.add_row("(no TPU hosts)", *[""] * (len(cols) - 1))
     for s in slices:
         rec = by_slice.get(s.name)
         state_style = {"free": "green", "degraded": "red"}.get(s.state, "yellow")
@@ -56,14 +59,26 @@ def render_status(slices: Sequence[SliceView], registered: Sequence[dict] = ()) 
                 f"{h.chips_used}/{h.chips}" if h.alive else "-",
                 health,
                 _workers_cell(workers) if rec else "-",
+                *(["\n".join(serving.get(s.name, ())) or "-" if i == 0 else ""]
+                  if serving else []),
             )
         table.add_section()
     return table
 
 
-def collect_status() -> tuple[list[SliceView], list[dict]]:
-    """Slices and reserved-slice records of the cluster this process is connected to."""
+def collect_status() -> tuple[list[SliceView], list[dict], dict[str, list[str]]]:
+    """Slices, reserved-slice records and the Serve replicas each slice hosts, of the
+    cluster this process is connected to (``render_status(*collect_status())``)."""
     from pathways_ray.cluster import cluster_slices
     from pathways_ray.registry import list_registered_slices
 
-    return cluster_slices(), list_registered_slices()
+    return cluster_slices(), list_registered_slices(), _serving()
+
+
+def _serving() -> dict[str, list[str]]:
+    try:
+        from pathways_ray.serve.inventory import replica_cell, served_apps, serving_by_slice
+    except ImportError:  # Ray Serve not installed: nothing is served
+        return {}
+    return {name: [replica_cell(r) for r in rs]
+            for name, rs in serving_by_slice(served_apps()).items()}

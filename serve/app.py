@@ -115,18 +115,37 @@ def llm_config(model: str, *, platform: str = "tpu", model_source: str | None = 
                                        env_vars=env, **plan))
 
 
-def openai_app(*configs):
+def openai_app(*configs, failover: bool = True):
     """Ray Serve LLM's OpenAI-compatible app (``/v1/models``, ``/v1/chat/completions``,
-    ``/v1/completions``) over one or more ``LLMConfig``s."""
+    ``/v1/completions``) over one or more ``LLMConfig``s (one endpoint routing by
+    ``model``). ``failover`` (default): :mod:`pathways_ray.serve.failover`'s ingress
+    and replica class (a request whose replica is lost before its first token is sent
+    again, ~2 s after the loss; a stream cut after it ends with an error event) for
+    every config that names no ``server_cls`` of its own; ``False``: Ray Serve LLM's
+    own ``OpenAiIngress`` and ``LLMServer``."""
     build_openai_app = _serve_llm_module().build_openai_app
 
     if not configs:
         raise ValueError("openai_app() needs at least one LLMConfig (see llm_config(...))")
-    return build_openai_app({"llm_configs": list(configs)})
+    args: dict[str, Any] = {"llm_configs": list(configs)}
+    if failover:
+        from pathways_ray.serve.failover import FailoverIngress, KeepaliveLLMServer
+
+        args["llm_configs"] = [c if c.server_cls else c.model_copy(
+            update={"server_cls": KeepaliveLLMServer}) for c in configs]
+        args["ingress_cls_config"] = {"ingress_cls": FailoverIngress}
+    return build_openai_app(args)
+
+
+def route_prefix(name: str) -> str:
+    """Where app ``name`` answers: ``/`` for the default app ``llm`` (base URL
+    ``http://host:port/v1``), ``/<name>`` for any other, so that several apps share
+    the cluster's one HTTP proxy."""
+    return "/" if name == "llm" else f"/{name}"
 
 
 def serve_llm(*configs, name: str = "llm", host: str = "127.0.0.1", port: int = 8000,
-              timeout_s: float = 900.0, progress=None) -> str:
+              timeout_s: float = 900.0, progress=None, failover: bool = True) -> str:
     """Deploy the OpenAI app for ``configs`` on the connected cluster, wait until it is
     RUNNING, and return its base URL (``http://host:port/v1``).
 
@@ -141,7 +160,8 @@ def serve_llm(*configs, name: str = "llm", host: str = "127.0.0.1", port: int = 
         # Serve's driver-side logger prints each deployment's options at INFO.
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
-    serve.run_many([serve.RunTarget(openai_app(*configs), name=name, route_prefix="/")],
+    serve.run_many([serve.RunTarget(openai_app(*configs, failover=failover), name=name,
+                                    route_prefix=route_prefix(name))],
                    wait_for_ingress_deployment_creation=False,
                    wait_for_applications_running=False)
     t0 = time.monotonic()
@@ -153,7 +173,7 @@ def serve_llm(*configs, name: str = "llm", host: str = "127.0.0.1", port: int = 
             progress(f"app {name}: {status}", time.monotonic() - t0)
         last = status
         if status == ApplicationStatus.RUNNING:
-            return f"http://{host}:{port}/v1"
+            return f"http://{host}:{port}{route_prefix(name).rstrip('/')}/v1"
         if status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
             detail = "; ".join(f"{d}: {s.message}" for d, s in app.deployments.items()
                                if s.message) or app.message

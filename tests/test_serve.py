@@ -1,11 +1,17 @@
 """The OpenAI-compatible endpoint end to end: Ray Serve LLM with the real vLLM CPU
 engine serving SmolLM2 on emulated v6e 2x2 slices (one replica per slice, two
 slices), driven by the official ``openai`` client over real HTTP. One fleet and
-one deployment for the module."""
+one deployment for the module; the last tests add a second app (on a v6e 1x1 slice,
+which the first app's replicas cannot use) and kill, then restore, a replica's host."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -32,7 +38,7 @@ def _free_port() -> int:
 def endpoint():
     # Two single-host 2x2 slices serve; a 2x4 slice of two 4-chip hosts checks how Ray
     # Serve LLM reserves a multi-host slice from our TPU config.
-    slices = ["v6e-2x2", "v6e-2x2", Topology.parse("v6e", "2x4", chips_per_host=4)]
+    slices = ["v6e-2x2", "v6e-2x2", Topology.parse("v6e", "2x4", chips_per_host=4), "v6e-1x1"]
     with LocalFleet(slices, name="serve-test") as fleet:
         cfg = llm_config(MODEL, topology="2x2", platform="cpu", max_model_len=MAX_MODEL_LEN,
                          num_slices=2)
@@ -184,3 +190,113 @@ def test_bad_chat_request_is_400(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=-1)
     _still_serves(client)
+
+
+def _cli(fleet, *argv) -> str:
+    """`pathways-ray ...` in a process of its own, attached to the module's fleet."""
+    out = subprocess.run([sys.executable, "-m", "pathways_ray.cli", *argv],
+                         env={**os.environ, **fleet.env, "COLUMNS": "200"},
+                         capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def _apps() -> dict:
+    from pathways_ray.serve.inventory import served_apps
+
+    return {a.name: a for a in served_apps()}
+
+
+def _ingress_log(fleet) -> list[str]:
+    """The lines the ingress replicas logged (Serve keeps them on the head node)."""
+    logs = sorted(fleet.dir.glob("head/session_*/logs/serve/replica_llm_FailoverIngress_*"))
+    return [line for path in logs for line in path.read_text(errors="replace").splitlines()]
+
+
+def _wait_until(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(1.0)
+    raise AssertionError(f"{what} within {timeout_s:g} s")
+
+
+def test_two_named_apps_answer_at_once_and_deleting_one_keeps_the_other(endpoint, client):
+    """A second app ('small': the same weights as another model id, on a 1x1 slice)
+    answers under /small/v1 beside the default app; `pathways-ray serve list` shows
+    both with the slice of each replica; `serve delete small` deletes only it."""
+    from pathways_ray.serve import smollm2_checkpoint
+
+    fleet, url = endpoint
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    small = llm_config("smollm2-1x1", model_source=str(smollm2_checkpoint()), topology="1x1",
+                       platform="cpu", max_model_len=MAX_MODEL_LEN)
+    url_small = serve_llm(small, name="small", port=port, timeout_s=600)
+    assert url_small.endswith("/small/v1")
+    other = openai.OpenAI(base_url=url_small, api_key="not-needed", timeout=120,
+                          max_retries=0)
+    assert [m.id for m in other.models.list().data] == ["smollm2-1x1"]
+
+    def ask(c, model):
+        return c.completions.create(model=model, prompt="The capital of France is",
+                                    max_tokens=6, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda cm: ask(*cm), [(client, MODEL), (other, "smollm2-1x1")] * 2))
+    assert all(t.startswith(" Paris") for t in texts), texts
+    (one_by_one,) = [n for n, t in fleet.slice_names().items() if t.name == "1x1"]
+    listed = _cli(fleet, "serve", "list")
+    assert "small" in listed and "/small" in listed and "smollm2-1x1" in listed
+    assert one_by_one in listed and listed.count("serving") == 2, listed
+    assert "llm/smollm2 running" in _cli(fleet, "status")  # what each slice serves
+    figures = _cli(fleet, "serve", "metrics", "--window", "1")  # vLLM's, through Ray
+    assert "smollm2-1x1" in figures and "KV cache" in figures, figures
+
+    assert "still serving: llm" in _cli(fleet, "serve", "delete", "small")
+    assert "small" not in _apps()
+    with pytest.raises(openai.NotFoundError):
+        ask(other, "smollm2-1x1")
+    assert ask(client, MODEL).startswith(" Paris")
+
+
+def test_losing_a_replica_host_under_load_fails_no_request_and_it_comes_back(endpoint):
+    """Steady load (4 clients of short completions, 2 streaming); the host of one
+    replica's slice is killed. No non-streaming request fails (those in flight on the
+    lost replica are sent again), a stream cut mid-answer ends with an error naming
+    the lost replica, never a hang; the app reports itself degraded; once the host is
+    restored, Serve starts the replica there again by itself."""
+    from pathways_ray.serve.loadgen import Load
+
+    fleet, url = endpoint
+    llm = _apps()["llm"]
+    assert llm.state == "serving"
+    victim = llm.replicas[0].slice
+    assert victim and fleet.slice_names()[victim].name == "2x2"
+    with Load(url, MODEL, clients=6, streaming=2, max_tokens=16, timeout_s=90) as load:
+        time.sleep(4)
+        # Kill while every client waits on an answer: Serve balances by requests in
+        # flight, so the lost replica holds about half of them, non-streaming ones too.
+        _wait_until(lambda: load.in_flight() == 6, 30, "the 6 clients never all waited")
+        t_kill = time.monotonic()
+        fleet.remove_host(victim, 0)  # returns once Ray marked the node dead
+        _wait_until(lambda: _apps()["llm"].state == "degraded", 60,
+                    "the app did not report itself degraded")
+        time.sleep(4)
+    plain = [r for r in load.results if not r.stream]
+    assert [r.error for r in plain if r.error] == []
+    assert len([r for r in plain if r.sent > t_kill]) >= 4
+    resent = [line for line in _ingress_log(fleet) if "sending it again" in line]
+    assert resent, "no request was in flight on the lost replica: the test proved nothing"
+    for r in load.failed(stream=True):
+        assert r.cut and "the replica serving this stream was lost" in r.error, r.error
+
+    fleet.restore_host(victim, 0)
+    back = _wait_until(lambda: (a := _apps()["llm"]).state == "serving" and a, 420,
+                       "the replica did not come back after its host returned")
+    assert victim in {r.slice for r in back.replicas if r.healthy}
+    client = openai.OpenAI(base_url=url, api_key="not-needed", timeout=120, max_retries=0)
+    for _ in range(4):
+        _still_serves(client)
