@@ -70,7 +70,11 @@ def main():
                 time.sleep(5)  # warm-up
                 h0 = time.monotonic()
                 time.sleep(args.phase_s)
+                wait_until = time.monotonic() + 60
                 while load.in_flight() < args.clients:  # kill while all wait on answers
+                    if time.monotonic() > wait_until:
+                        raise TimeoutError(f"the {args.clients} clients never all waited "
+                                           f"on an answer within 60 s")
                     time.sleep(0.01)
                 t_kill = time.monotonic()
                 fleet.remove_host(victim, 0)
@@ -95,9 +99,9 @@ def main():
                       flush=True)
                 time.sleep(args.phase_s)
                 t_end = time.monotonic()
-            resent = [line for path in fleet.dir.glob("head/session_*/logs/serve/replica_*.log")
-                      for line in path.read_text(errors="replace").splitlines()
-                      if "sending it again" in line or "lost mid-stream" in line]
+            resent = sorted({line for path in fleet.dir.glob("*/session_*/logs/serve/replica_*")
+                             for line in path.read_text(errors="replace").splitlines()
+                             if "sending it again" in line or "lost mid-stream" in line})
         finally:
             shutdown_llm(None)
 

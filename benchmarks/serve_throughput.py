@@ -12,8 +12,10 @@ streaming, and reports output tokens/s and time to first token (median, p90).
 For each level it also prints the CPU-seconds per 1,000 streamed tokens of every
 process on the path (vLLM's server: its process tree; ours: every process of the
 emulated fleet: raylets, GCS, HTTP proxy, ingress, replica, engine), split into the
-engine (vLLM's ``VLLM::EngineCore`` and ``VLLM::Worker`` processes) and the serving
-path (all the rest).
+engine (vLLM's ``VLLM::EngineCore`` and ``VLLM::Worker`` processes; on CPU its OpenMP
+threads spin while they wait, so this counts cores held, not work) and the serving
+path (all the rest: for ours, split into the HTTP proxy, the ingress, the LLM
+replica and Ray's own processes).
 
 ``--stream-batching-ms 200`` adds a run whose replica batches streamed tokens
 for 200 ms instead of Ray Serve LLM's 50 ms. ``--direct-streaming`` adds a
@@ -91,43 +93,58 @@ async def _level(url, model, streams, rounds, max_tokens):
             "ttft_p90": ttfts[math.ceil(0.9 * len(ttfts)) - 1], "tokens": tokens, "wall": wall}
 
 
-def _cpu(procs) -> dict[int, tuple[bool, float]]:
-    """pid -> (is an engine process, CPU seconds so far)."""
+KINDS = ("engine", "HTTP proxy", "ingress", "LLM replica", "Ray (raylets, GCS, agents)",
+         "api server")
+
+
+def _kind(p: psutil.Process, ray: bool) -> str:
+    """Which part of the path a process is (Ray workers' process titles name them)."""
+    if p.name().startswith("VLLM::"):
+        return "engine"
+    if not ray:
+        return "api server"
+    title = " ".join(p.cmdline()[:1])
+    for key, kind in (("ProxyActor", "HTTP proxy"), ("Ingress", "ingress"),
+                      ("LLMServer", "LLM replica")):
+        if key in title:
+            return kind
+    return "Ray (raylets, GCS, agents)"
+
+
+def _cpu(procs, ray: bool) -> dict[int, tuple[str, float]]:
+    """pid -> (its part of the path, CPU seconds so far)."""
     out = {}
     for p in procs:
         try:
             t = p.cpu_times()
-            out[p.pid] = (p.name().startswith("VLLM::"), t.user + t.system)
+            out[p.pid] = (_kind(p, ray), t.user + t.system)
         except psutil.Error:
             continue
     return out
 
 
-def _cpu_delta(before, after) -> tuple[float, float]:
-    """(engine, serving path) CPU seconds between two _cpu snapshots."""
-    engine = path = 0.0
-    for pid, (is_engine, t) in after.items():
-        d = t - before.get(pid, (is_engine, 0.0))[1]
-        if is_engine:
-            engine += d
-        else:
-            path += d
-    return engine, path
+def _cpu_delta(before, after) -> dict[str, float]:
+    """CPU seconds per part of the path between two _cpu snapshots."""
+    out = dict.fromkeys(KINDS, 0.0)
+    for pid, (kind, t) in after.items():
+        out[kind] += t - before.get(pid, (kind, 0.0))[1]
+    return out
 
 
-def measure(url, model, args, procs):
+def measure(url, model, args, procs, ray: bool):
     """Each concurrency level; ``procs()`` lists the processes whose CPU counts."""
     out = {}
     for c in args.concurrency:
-        before = _cpu(procs())
+        before = _cpu(procs(), ray)
         r = asyncio.run(_level(url, model, c, args.rounds, args.max_tokens))
-        engine, path = _cpu_delta(before, _cpu(procs()))
+        parts = _cpu_delta(before, _cpu(procs(), ray))
         k = 1000 / max(1, r["tokens"])
-        r.update(cpu_engine=engine * k, cpu_path=path * k)
+        r.update(cpu_engine=parts.pop("engine") * k, cpu_path=sum(parts.values()) * k)
         print(f"    {c:3d} streams: {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50']:.2f}s "
-              f"p90 {r['ttft_p90']:.2f}s  ({r['tokens']} tokens in {r['wall']:.1f}s); CPU-s "
-              f"per 1k tokens: engine {r['cpu_engine']:.1f}, serving path {r['cpu_path']:.1f}",
-              flush=True)
+              f"p90 {r['ttft_p90']:.2f}s  ({r['tokens']} tokens in {r['wall']:.1f}s)\n"
+              f"                 CPU-s per 1k tokens: engine {r['cpu_engine']:.1f}, serving "
+              f"path {r['cpu_path']:.1f} = " + ", ".join(
+                  f"{kind} {v * k:.1f}" for kind, v in parts.items() if v), flush=True)
         out[c] = r
     return out
 
@@ -161,7 +178,8 @@ def run_vllm_serve(args, ckpt):
         up = _wait_http(url, proc, 600)
         print(f"  vllm api_server up in {up:.0f}s", flush=True)
         root = psutil.Process(proc.pid)
-        return measure(url, "smollm2", args, lambda: [root, *root.children(recursive=True)])
+        return measure(url, "smollm2", args, lambda: [root, *root.children(recursive=True)],
+                       ray=False)
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=60)
@@ -188,7 +206,7 @@ def run_ray_serve(args, direct: bool = False, interval_ms: int | None = None):
         print(f"  Ray Serve LLM app up in {time.monotonic() - t0:.0f}s", flush=True)
         try:
             return measure(url, "smollm2", args,
-                           lambda: _procs.find(_procs.FLEET_ENV, fleet.fleet_id))
+                           lambda: _procs.find(_procs.FLEET_ENV, fleet.fleet_id), ray=True)
         finally:
             shutdown_llm(None)
 

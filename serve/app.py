@@ -127,7 +127,8 @@ def openai_app(*configs, failover: bool = True):
 
     if not configs:
         raise ValueError("openai_app() needs at least one LLMConfig (see llm_config(...))")
-    args: dict[str, Any] = {"llm_configs": list(configs)}
+    args: dict[str, Any] = {"llm_configs": list(configs),
+                            "ingress_deployment_config": ingress_placement()}
     if failover:
         from pathways_ray.serve.failover import FailoverIngress, KeepaliveLLMServer
 
@@ -135,6 +136,18 @@ def openai_app(*configs, failover: bool = True):
             update={"server_cls": KeepaliveLLMServer}) for c in configs]
         args["ingress_cls_config"] = {"ingress_cls": FailoverIngress}
     return build_openai_app(args)
+
+
+def ingress_placement() -> dict[str, Any]:
+    """The ingress off the TPU hosts: on one, it would die with the host, taking
+    every model's requests with it (Serve starts it again, elsewhere, seconds
+    later). Any node without a TPU accelerator type label takes it: the head, or a
+    CPU worker group on GKE."""
+    from pathways_ray.topology import GENERATIONS
+
+    tpus = ",".join(sorted({g.accelerator_type for g in GENERATIONS.values()}))
+    return {"ray_actor_options": {"label_selector": {"ray.io/accelerator-type":
+                                                     f"!in({tpus})"}}}
 
 
 def route_prefix(name: str) -> str:

@@ -100,13 +100,19 @@ class Load:
                 self._waiting += 1
             try:
                 if stream:
+                    usage = None
                     for chunk in client.completions.create(
                             model=self.model, prompt=prompt, max_tokens=self.max_tokens,
-                            temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                            temperature=0, stream=True, stream_options={"include_usage": True},
+                            extra_body={"ignore_eos": True}):
                         if chunk.choices and chunk.choices[0].text:
-                            r.tokens += 1
-                    if r.tokens < self.max_tokens:
-                        r.error = f"stream ended after {r.tokens} of {self.max_tokens} tokens"
+                            r.tokens += 1  # chunks with text: a cut stream sent some
+                        usage = chunk.usage or usage
+                    if usage is None or usage.completion_tokens < self.max_tokens:
+                        r.error = (f"stream ended after {r.tokens} chunks, without its "
+                                   f"{self.max_tokens} tokens and usage")
+                    else:
+                        r.tokens = usage.completion_tokens
                 else:
                     out = client.completions.create(
                         model=self.model, prompt=prompt, max_tokens=self.max_tokens,

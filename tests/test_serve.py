@@ -74,6 +74,12 @@ def test_one_replica_per_slice_holding_all_its_chips(endpoint):
     two_by_two = {n for n, t in fleet.slice_names().items() if t.name == "2x2"}
     assert slices == two_by_two  # each replica on its own slice
     assert all(pg["bundles"][0]["TPU"] == 4 for pg in pgs)  # every chip of the 2x2 slice
+    # The ingress stays off the TPU hosts (it would die with one, and every request too).
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()["applications"]["llm"]["deployments"]
+    ingress = [r["node_id"] for r in details["FailoverIngress"]["replicas"]]
+    assert ingress and not set(ingress) & set(fleet.node_ids.values()), ingress
 
 
 def test_ray_serve_llm_reserves_a_multi_host_slice_whole(endpoint):
@@ -209,8 +215,8 @@ def _apps() -> dict:
 
 
 def _ingress_log(fleet) -> list[str]:
-    """The lines the ingress replicas logged (Serve keeps them on the head node)."""
-    logs = sorted(fleet.dir.glob("head/session_*/logs/serve/replica_llm_FailoverIngress_*"))
+    """The lines the ingress replicas logged (in their node's Ray session logs)."""
+    logs = sorted(fleet.dir.glob("*/session_*/logs/serve/replica_llm_FailoverIngress_*"))
     return [line for path in logs for line in path.read_text(errors="replace").splitlines()]
 
 
