@@ -111,6 +111,7 @@ class Load:
                     if usage is None or usage.completion_tokens < self.max_tokens:
                         r.error = (f"stream ended after {r.tokens} chunks, without its "
                                    f"{self.max_tokens} tokens and usage")
+                        r.cut = r.tokens > 0  # a truncated answer that looks complete
                     else:
                         r.tokens = usage.completion_tokens
                 else:
