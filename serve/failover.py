@@ -57,6 +57,16 @@ def _setting(env: str, default: str, kind: type, what: str):
     return value
 
 
+class StreamCut(Exception):
+    """A stream that ended without vLLM's closing ``[DONE]`` event."""
+
+
+def _has_done(item) -> bool:
+    """Whether a streamed item (an SSE string, or a batch of them) holds the end."""
+    parts = item if isinstance(item, list) else [item]
+    return any(isinstance(p, str) and "data: [DONE]" in p for p in parts)
+
+
 class KeepaliveLLMServer(LLMServer):
     """``LLMServer`` whose chat and completion responses carry keepalives until they
     begin, so that the ingress notices a lost replica in ~2 s."""
@@ -75,16 +85,23 @@ class FailoverIngress(OpenAiIngress):
     async def _get_response(self, *, body, call_method, raw_request=None):
         retries = _setting(RETRIES_ENV, "3", int, "a whole number of retries, 0 or more")
         silence_s = _setting(SILENCE_ENV, "2", float, "a positive number of seconds")
+        streaming = bool(getattr(body, "stream", False))
         for attempt in range(retries + 1):
-            sent = False
+            sent = ended = False
             try:
                 async for item in until_silent(super()._get_response(
                         body=body, call_method=call_method, raw_request=raw_request),
                         silence_s):
                     sent = True
+                    ended = ended or _has_done(item)
                     yield item
+                if streaming and sent and not ended:
+                    # vLLM ends every stream with "data: [DONE]"; a replica that died
+                    # mid-stream can end it early and quietly: a truncated answer
+                    # that looks complete. Say so instead.
+                    raise StreamCut("the replica's stream ended before its [DONE] event")
                 return
-            except (RayActorError, Silent) as e:
+            except (RayActorError, Silent, StreamCut) as e:
                 what = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 if sent:
                     logger.warning("%s to model %s: replica lost mid-stream (%s)",
