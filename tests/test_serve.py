@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.waiting import wait_until
+
 pytest.importorskip("vllm", reason="needs vLLM's CPU build (./run.sh test installs it)")
 openai = pytest.importorskip("openai")
 
@@ -221,13 +223,7 @@ def _ingress_log(fleet) -> list[str]:
 
 
 def _wait_until(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(1.0)
-    raise AssertionError(f"{what} within {timeout_s:g} s")
+    return wait_until(cond, timeout_s, what, every_s=1)
 
 
 def test_two_named_apps_answer_at_once_and_deleting_one_keeps_the_other(endpoint, client):

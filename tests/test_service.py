@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import pathways_ray as pr
 from pathways_ray import service
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -72,13 +73,8 @@ def _status() -> dict:
 
 
 def _wait_until(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"{what} within {timeout_s:g} s; service status: {_status()}")
+    return wait_until(cond, timeout_s, what, every_s=0.2,
+                      detail=lambda: f"service status: {_status()}")
 
 
 class Client:

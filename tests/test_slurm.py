@@ -22,6 +22,7 @@ import pytest
 from pathways_ray._fleet_state import free_ports
 from pathways_ray.slurm import SlurmJob, render_sbatch
 from pathways_ray.topology import Topology
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 V6E_2X2 = Topology.parse("v6e", "2x2")
@@ -172,13 +173,7 @@ def _job_processes(job_id: str) -> list[psutil.Process]:
 
 
 def _wait_until(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(1)
-    pytest.fail(f"{what} within {timeout_s:g} s")
+    return wait_until(cond, timeout_s, what, every_s=1)
 
 
 def test_sbatch_runs_the_demo_training_to_completion(slurm):
