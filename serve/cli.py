@@ -98,6 +98,9 @@ def cmd_serve(args) -> int:
             raise ValueError(f"unexpected {args.app!r}: `pathways-ray serve` takes options "
                              f"only (`serve delete NAME` deletes an app)")
         return _run(args)
+    if args.action == "delete" and not args.app:
+        raise ValueError("`pathways-ray serve delete NAME`: name the app "
+                         "(`pathways-ray serve list` shows them)")
     from types import SimpleNamespace
 
     from pathways_ray.cli import _connect_for_status
@@ -112,10 +115,6 @@ def cmd_serve(args) -> int:
         if args.action == "metrics":
             return _metrics(args.window, args.watch)
         from pathways_ray.serve.app import shutdown_llm
-
-        if not args.app:
-            raise ValueError("`pathways-ray serve delete NAME`: name the app "
-                             "(`pathways-ray serve list` shows them)")
         from pathways_ray.serve.inventory import served_apps
 
         names = [a.name for a in served_apps()]
@@ -161,6 +160,10 @@ def _run(args) -> int:
     from pathways_ray.serve.plan import slice_topology
 
     topo = slice_topology(args.accelerator, args.topology, args.chips_per_host)
+    models = args.model or ["smollm2"]
+    if len(set(models)) < len(models):
+        raise ValueError(f"--model {' --model '.join(models)}: each model once (one "
+                         f"endpoint routes by model id)")
     _serve_llm_module()  # fail before starting anything if vLLM is not installed
     n_local = args.slices if isinstance(args.slices, int) else args.slices[1]
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -172,7 +175,6 @@ def _run(args) -> int:
         status.update("starting the local emulated fleet" if not address else
                       f"connecting to {address}")
         # Replica and engine logs stay in the session's log files unless -v.
-        models = args.model or ["smollm2"]
         fleet = cluster_or_local(address, slices=[topo] * (n_local * len(models)),
                                  name=args.fleet_name or "serve",
                                  log_to_driver=args.verbose)

@@ -14,14 +14,12 @@ token, requests running and waiting, and KV cache use.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rich.table import Table
 
-__all__ = ["ModelFigures", "Samples", "figures", "live_figures", "parse", "render_figures",
-           "scrape"]
+__all__ = ["ModelFigures", "Samples", "figures", "parse", "render_figures", "scrape"]
 
 # vLLM's metric names as Ray exports them ("vllm:x" becomes "ray_vllm_x").
 _V = "ray_vllm_"
@@ -128,12 +126,3 @@ def scrape(timeout_s: float = 5.0) -> list[str]:
         except OSError:
             continue
     return texts
-
-
-def live_figures(window_s: float = 15.0) -> list[ModelFigures]:
-    """Scrape, wait ``window_s``, scrape again: the figures of that window. Ray exports
-    metrics every 10 s (``RAY_metrics_report_interval_ms``), so a shorter window may
-    see no change."""
-    before = parse(scrape())
-    time.sleep(window_s)
-    return figures(before, parse(scrape()), window_s)

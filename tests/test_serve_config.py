@@ -151,6 +151,8 @@ def test_example_serve_config_yaml_is_the_generated_v6e_4x4_app():
     (["serve", "--platform", "gpu"], "--platform"),
     (["serve", "--name", "My_App"], "becomes the app's URL path"),
     (["serve", "stop"], "invalid choice: 'stop'"),
+    (["serve", "delete"], "name the app"),
+    (["serve", "--model", "smollm2", "--model", "smollm2"], "each model once"),
 ])
 def test_serve_cli_rejects_bad_flags_before_starting_anything(argv, needle, capsys):
     from pathways_ray.cli import main
