@@ -1,4 +1,4 @@
-"""Weight sync learner -> sampler: worker to worker vs. through the client vs. Ray's raw pull.
+"""Weight sync learner -> sampler: chip to chip vs. through the client vs. Ray's raw transfer.
 
     python benchmarks/weight_sync.py [--d-model 512] [--layers 4] [--reps 5]
 
@@ -8,22 +8,26 @@ Two emulated v6e 2x2 slices on two emulated hosts, as in the RL loop
 and go to the sampler slice in a model-parallel (1x4) layout. Each rep, in
 turn:
 
-- refs: ``client.reshard`` of the weights' pytree, shards worker to worker
-  through the hosts' object stores (what ``RLLoop`` does), until every chip of
-  the sampler has its block;
+- pull: ``client.reshard`` of the weights' pytree (what ``RLLoop`` does), each
+  sampler chip pulling its blocks from the learner's chips over JAX's transfer
+  server (``$PATHWAYS_RAY_TRANSFER=pull``, the default), until every chip of the
+  sampler has its block;
+- objects: the same reshard through the hosts' Ray object stores
+  (``$PATHWAYS_RAY_TRANSFER=objects``, the path before chip-to-chip pulls);
 - client: fetch every weight to the client, ``device_put`` it onto the sampler;
 - raw Ray: the same number of bytes as one object (made beforehand), ``ray.put``
   by an actor on the learner's host and ``ray.get`` by an actor on the
   sampler's host: Ray's own transfer between two nodes, the ceiling for the
   refs path.
 
-Prints the median throughput of each and the ratios (targets: refs >= 0.8 x raw
-Ray; refs faster than the client path).
+Prints the median throughput of each and the ratios (targets: pull >= 0.8 x raw
+Ray; faster than the client path).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -85,9 +89,12 @@ def main() -> None:
             src = _on(fleet.node_ids[f"{learner}/0"], nbytes)
             dst = _on(fleet.node_ids[f"{sampler}/0"])
 
-            def refs() -> None:
-                out = client.reshard(params, s_sh, slice=sampler)
-                client.block_until_ready(jax.tree.leaves(out), timeout_s=600)
+            def reshard(mode: str):
+                def run() -> None:
+                    os.environ["PATHWAYS_RAY_TRANSFER"] = mode
+                    out = client.reshard(params, s_sh, slice=sampler)
+                    client.block_until_ready(jax.tree.leaves(out), timeout_s=600)
+                return run
 
             def via_client() -> None:
                 values = jax.tree.map(lambda a: a.fetch(timeout_s=600), params)
@@ -97,8 +104,9 @@ def main() -> None:
             def raw() -> None:
                 assert ray.get(dst.get.remote(src.put.remote()), timeout=600) == nbytes
 
-            paths = {"refs, worker to worker": refs, "through the client": via_client,
-                     "raw Ray, node to node": raw}
+            paths = {"pull, chip to chip": reshard("pull"),
+                     "objects, host stores": reshard("objects"),
+                     "through the client": via_client, "raw Ray, node to node": raw}
             times: dict[str, list[float]] = {k: [] for k in paths}
             for fn in paths.values():  # warm: programs, actors, connections
                 fn()
@@ -110,14 +118,16 @@ def main() -> None:
             leaves = len(jax.tree.leaves(host))
         finally:
             client.close()
+    os.environ.pop("PATHWAYS_RAY_TRANSFER", None)
     print(f"\n{nbytes / 2**20:.1f} MiB of weights in {leaves} arrays, learner 2x2 (data x "
           f"model) -> sampler 1x4 (model), {args.reps} reps, medians")
     rate = {k: nbytes / statistics.median(v) for k, v in times.items()}
     for name, v in times.items():
         print(f"  {name:<24}{statistics.median(v) * 1e3:8.1f} ms {rate[name] / 2**20:8.1f} MiB/s")
-    refs_rate = rate["refs, worker to worker"]
-    print(f"refs / raw Ray: {refs_rate / rate['raw Ray, node to node']:.2f} (target >= 0.8); "
-          f"refs / through the client: {refs_rate / rate['through the client']:.2f}x")
+    raw_rate = rate["raw Ray, node to node"]
+    for name in ("pull, chip to chip", "objects, host stores"):
+        print(f"{name}: {rate[name] / raw_rate:.2f} of raw Ray (target >= 0.8), "
+              f"{rate[name] / rate['through the client']:.2f}x through the client")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ import ray
 from pathways_ray import boundary, compile_cache
 from pathways_ray.channel import ChannelServer
 from pathways_ray.config import PLATFORM_ENV, timeout_s
-from pathways_ray.errors import LeaseRevoked, SliceLost, WaitTimeout, WorkerDied
+from pathways_ray.errors import LeaseRevoked, RemoteError, SliceLost, WaitTimeout, WorkerDied
 from pathways_ray.executor import Executor
+from pathways_ray.pull import Pull, PullFailed, Transfers
+from pathways_ray.pull import wait as wait_pulled
 from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,12 @@ class ChipWorker:
         self._channel: ChannelServer | None = None
         # buffer id -> (this chip's (ref, index) pieces, the slice they come from or None)
         self._staged: dict[int, tuple[list, str | None]] = {}
+        # A staged object holding several buffers' pieces (a packet of a cross-slice
+        # transfer) is read once: ref -> [its value once read, puts still to read it].
+        self._packets: dict = {}
+        self._transfers = Transfers(self.info.ip)  # chip-to-chip pulls (pull.py)
+        self._arrived: set = set()  # pulls in _packets whose bytes are all here
+        self._lost_sources: set[str] = set()  # slices the controller lost (abandon)
         self._staged_cond = threading.Condition()
         self._held: dict[int, object] = {}  # token -> shards (or the error) for a sidecar
         self._cache_counter = None  # this process's compilation cache lookups
@@ -207,6 +215,8 @@ class ChipWorker:
             self._channel = None
         with self._staged_cond:
             self._staged.clear()
+            self._packets.clear()
+            self._arrived.clear()
             self._held.clear()
             self._staged_cond.notify_all()
         if self.executor is not None:
@@ -243,24 +253,47 @@ class ChipWorker:
               lease: str | None = None) -> None:
         """Hand over, per buffer id, the pieces a later ``put`` in the stream assembles
         this chip's shard from: ``(k, index)`` or ``(k, index, position)`` with ``k``
-        the position in ``refs`` of the object holding it (refs travel by Ray call so
-        Ray tracks who holds them; each once, however many pieces it holds: the
-        borrowing bookkeeping is per ref). ``source`` names the slice they come from
+        the position in ``refs`` of the object holding it: a Ray object ref (refs
+        travel by Ray call so Ray tracks who holds them; each once, however many
+        pieces it holds: the borrowing bookkeeping is per ref) or a ``Pull`` from
+        another chip. ``source`` names the slice they come from
         (a cross-slice reshard), or the ``(slice, host)`` of the sidecar that returns
         them."""
         self._check_lease(lease)
+        # Start every copy now, all at once, while the stream runs what comes before
+        # their puts (one by one, each put would wait for its own). Pulls from another
+        # chip's transfer server (``pull.py``) land in this chip's memory, started before
+        # their puts can look for them; Ray objects come to this host's store, on a
+        # daemon thread: a pull from a host that died waits out its timeout without
+        # holding up later pulls or this process's exit.
+        started = {}
+        for p in refs:
+            if isinstance(p, Pull):
+                try:
+                    started[p] = self._transfers.start(p)
+                except Exception as e:  # noqa: BLE001 - its put raises it, naming the source
+                    started[p] = ConnectionError(f"pulling from {p.address}: {e}")
         with self._staged_cond:
             for buffer_id, pieces in buffers.items():
                 self._staged[buffer_id] = ([(refs[p[0]], *p[1:]) for p in pieces], source)
+                for k in {p[0] for p in pieces}:
+                    self._packets.setdefault(refs[k], [None, 0])[1] += 1
+            for p, arrays in started.items():
+                self._packets[p][0] = arrays
             self._staged_cond.notify_all()
-        # Pull them to this host now, all at once, while the stream runs what comes
-        # before their puts (one by one, each put would wait for its own pull).
-        # A daemon thread: a pull from a host that died waits out its timeout without
-        # holding up later pulls or this process's exit.
-        if refs:
-            threading.Thread(target=ray.wait, args=(list(refs),), daemon=True, name="prefetch",
-                             kwargs={"num_returns": len(refs), "timeout": timeout_s("stream"),
+        objects = [r for r in refs if not isinstance(r, Pull)]
+        if objects:
+            threading.Thread(target=ray.wait, args=(objects,), daemon=True, name="prefetch",
+                             kwargs={"num_returns": len(objects),
+                                     "timeout": timeout_s("stream"),
                                      "fetch_local": True}).start()
+
+    @ray.method(concurrency_group="control")
+    def abandon(self, slice_name: str, lease: str | None = None) -> None:
+        """The controller lost slice ``slice_name``: a put waiting on a pull from it
+        fails now (``SliceLost``) instead of at its deadline."""
+        self._check_lease(lease)
+        self._lost_sources.add(slice_name)
 
     def _take_pieces(self, buffer_id: int) -> list:
         wait_s = timeout_s("stream")
@@ -283,12 +316,53 @@ class ChipWorker:
                                             f"{buffer_id} from it ({type(e).__name__})")
 
         # A piece is (ref, index), or (ref, index, position) in a packet of several
-        # buffers' shards (a cross-slice transfer): each object is read once.
+        # buffers' shards (a cross-slice transfer), a packet being a Ray object or the
+        # arrays of a pull: each is read once, by the first put that needs it, and
+        # dropped after the last.
         refs = list(dict.fromkeys(p[0] for p in pieces))
-        values = dict(zip(refs, boundary.get(refs, timeout="stream",
-                                             what=f"the pieces of buffer {buffer_id}",
-                                             died=died), strict=True))
-        return [(p[1], values[p[0]] if len(p) == 2 else values[p[0]][p[2]]) for p in pieces]
+        with self._staged_cond:
+            values = {r: self._packets[r][0] for r in refs
+                      if self._packets.get(r, (None,))[0] is not None}
+        unread = [r for r in refs if r not in values]
+        try:
+            for r in refs:
+                if isinstance(r, Pull) and r not in self._arrived:
+                    arrays = values.get(r)
+                    what = f"the pieces of buffer {buffer_id} from chip {r.address}"
+                    try:
+                        if not isinstance(arrays, list):
+                            raise arrays or ConnectionError(f"{what} were never pulled")
+                        wait_pulled(arrays, wait_s, what,
+                                    abandoned=lambda: source in self._lost_sources)
+                        self._arrived.add(r)
+                    except TimeoutError as e:
+                        raise WaitTimeout(str(e)) from None
+                    except ConnectionError as e:
+                        self._transfers.forget(r.address)
+                        raise died(e) from None
+                    except PullFailed as e:
+                        raise RemoteError(f"copying buffer {buffer_id} from slice {source}",
+                                          str(e)) from None
+            unread = [r for r in unread if not isinstance(r, Pull)]
+            if unread:
+                got = boundary.get(unread, timeout="stream", died=died,
+                                   what=f"the pieces of buffer {buffer_id}")
+                values.update(zip(unread, got, strict=True))
+                with self._staged_cond:
+                    for r in unread:
+                        if r in self._packets:
+                            self._packets[r][0] = values[r]
+            return [(p[1], values[p[0]] if len(p) == 2 else values[p[0]][p[2]])
+                    for p in pieces]
+        finally:
+            with self._staged_cond:
+                for r in refs:
+                    held = self._packets.get(r)
+                    if held is not None:
+                        held[1] -= 1
+                        if held[1] <= 0:
+                            del self._packets[r]
+                            self._arrived.discard(r)
 
     def _give(self, token: int, value) -> None:
         with self._staged_cond:
@@ -332,17 +406,35 @@ class ChipWorker:
         return [self.executor.local_shard(i) for i in buffer_ids]
 
     def put_shards(self, packets: list[list[int]], after: int = 0,
-                   lease: str | None = None) -> list:
-        """One ref per packet: the list of this chip's shards of the packet's buffers,
-        put as one object in this host's store (owned here).
+                   lease: str | None = None) -> tuple:
+        """Per packet, the list of this chip's shards of the packet's buffers, then
+        ``True``: called with ``num_returns=len(packets) + 1``, so the caller holds
+        the refs (and can hand them on) before this runs, each packet becomes one
+        object in this host's store, and the last, tiny return tells the caller
+        that every packet was made, or raises why not (a failed buffer).
 
         For a transfer to another slice, one packet per destination host: the caller
-        passes the refs on and never holds the bytes, where a returned array under
-        Ray's inline limit (100 KiB) would travel to the caller and be read from
-        there. Raises if a buffer failed."""
+        passes the refs on and never holds the bytes."""
         self._check_lease(lease)
         self._after(after)
-        return [ray.put([self.executor.local_shard(i) for i in packet]) for packet in packets]
+        return (*([self.executor.local_shard(i) for i in packet] for packet in packets),
+                True)
+
+    def offer(self, pulls: dict[int, list[tuple[int, tuple | None]]], after: int = 0,
+              lease: str | None = None) -> tuple[str, dict]:
+        """Offer, per pull id, this chip's shards of buffers (or the parts named),
+        ``(buffer id, part or None)``, to one pull by another chip (``pull.py``), for
+        ``$PATHWAYS_RAY_STREAM_TIMEOUT_S``. Returns this chip's transfer server
+        address and, per pull id, each piece's ``(shape, dtype)`` as it is here (what
+        the puller must ask for). Raises if a buffer failed."""
+        self._check_lease(lease)
+        self._after(after)
+        layouts = {}
+        for uuid, wanted in pulls.items():
+            arrays = [self.executor.local_piece(buffer_id, part) for buffer_id, part in wanted]
+            self._transfers.offer(uuid, arrays, timeout_s("stream"))
+            layouts[uuid] = tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
+        return self._transfers.address(), layouts
 
     def ready(self, buffer_ids: list[int], after: int = 0, lease: str | None = None) -> bool:
         """True once the buffers are computed; raises the remote error if one failed."""

@@ -449,7 +449,8 @@ class Client:
         items = [(a._id, a.mesh, a.spec, Put(b._id, tuple(b.shape), b.dtype.name, b.spec, b.mesh))
                  for a, b in pairs]
         try:
-            self._call("transfer", src, dst, items, timeout="fetch", where=src)
+            self._call("transfer", src, dst, items, config.transfer_mode(), timeout="fetch",
+                       where=src)
         except SliceLost as e:
             self._queue.record(dst if e.slice == dst else src, e)
             raise

@@ -17,11 +17,13 @@ __all__ = [
     "NAMESPACE",
     "PLATFORM_ENV",
     "TIMEOUTS",
+    "TRANSFER_ENV",
     "Timeout",
     "USER_ENV",
     "base_dir",
     "default_compilation_cache_dir",
     "timeout_s",
+    "transfer_mode",
 ]
 
 # The Ray namespace of every named actor and KV entry pathways-ray creates.
@@ -31,6 +33,19 @@ DIR_ENV = "PATHWAYS_RAY_DIR"
 CACHE_ENV = "PATHWAYS_RAY_COMPILATION_CACHE_DIR"
 PLATFORM_ENV = "PATHWAYS_RAY_PLATFORM"  # "cpu" or "tpu": overrides detection on a host
 USER_ENV = "PATHWAYS_RAY_USER"  # who a shared service's status shows (default: the login)
+# How a cross-slice reshard moves shards: "pull" (JAX's transfer server, chip to chip)
+# or "objects" (Ray objects through the hosts' stores).
+TRANSFER_ENV = "PATHWAYS_RAY_TRANSFER"
+TRANSFER_MODES = ("pull", "objects")
+
+
+def transfer_mode() -> str:
+    """``$PATHWAYS_RAY_TRANSFER``: ``pull`` (default) or ``objects``."""
+    mode = os.environ.get(TRANSFER_ENV, "pull")
+    if mode not in TRANSFER_MODES:
+        raise ValueError(f"{TRANSFER_ENV}={mode!r} is not a transfer mode; use one of "
+                         f"{', '.join(TRANSFER_MODES)}")
+    return mode
 
 
 def base_dir() -> Path:

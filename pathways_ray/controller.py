@@ -44,7 +44,9 @@ from pathways_ray.errors import SliceLost, WorkerDied
 from pathways_ray.fanout import default_fanout, relay_tree
 from pathways_ray.health import HealthMonitor, Regrower
 from pathways_ray.profile_trace import Event
-from pathways_ray.sharding import MeshShape, host_blocks, pack_transfer
+from pathways_ray.pull import Pull
+from pathways_ray.pull import new_id as new_pull_id
+from pathways_ray.sharding import MeshShape, host_blocks, pack_transfer, pull_transfer
 from pathways_ray.sidecar_host import _Out
 from pathways_ray.slice import Slice, ping_all
 
@@ -433,37 +435,72 @@ class Controller:
         return [w.handle.ready.remote(buffer_ids, n, lease=self._token)
                 for w, n in zip(p.workers, self._sent(p), strict=True)]
 
-    def transfer(self, src: str, dst: str,
-                 items: list[tuple[int, MeshShape, tuple, Put]]) -> None:
+    def transfer(self, src: str, dst: str, items: list[tuple[int, MeshShape, tuple, Put]],
+                 mode: str = "pull") -> None:
         """Copy arrays to another slice, each ``(source buffer id, its mesh, its spec,
-        put)`` becoming ``put`` (a new buffer there), shard by shard, worker to worker.
+        put)`` becoming ``put`` (a new buffer there), worker to worker; only ids and
+        refs pass through here, whatever the size. ``mode`` (``$PATHWAYS_RAY_TRANSFER``
+        on the client):
 
-        Each source chip puts, in its host's store, one object per destination host
-        holding its shards of every array that host needs (``sharding.pack_transfer``:
-        replicated shards are spread over their holders); each destination chip gets
-        the refs that overlap its blocks, pulls them from those hosts and assembles
-        its blocks. Only refs pass through here, whatever the size. A source slice
-        that died, or a source buffer whose program failed, raises here
-        (``SliceLost``, ``RemoteError``) and nothing reaches the destination.
+        - ``pull``: every destination chip pulls, from each source chip it needs, just
+          the parts of its blocks that chip holds, over JAX's transfer server, into
+          its own memory (``pull.py``, ``sharding.pull_transfer``). The sources offer
+          first, so a source slice that died, or a source buffer whose program failed,
+          raises here (``SliceLost``, ``RemoteError``) and nothing reaches the
+          destination.
+        - ``objects``: each source chip makes, in its host's store, one Ray object per
+          destination host holding its shards of every array that host needs
+          (``sharding.pack_transfer``), and each destination chip gets the refs that
+          overlap its blocks as soon as they exist (task returns, before the objects
+          are made), pulls them to its host and assembles its blocks. A failure at
+          the source raises here, and the destination's buffers hold the same error.
         """
         import numpy as np
 
         sp, dp = self._place(src), self._place(dst)
-        plan = pack_transfer([(put.shape, np.dtype(put.dtype).itemsize, mesh, spec, put.mesh,
-                               put.spec) for _, mesh, spec, put in items],
-                             [w.info.node_id for w in dp.workers])
+        arrays = tuple((tuple(put.shape), np.dtype(put.dtype).itemsize, mesh, spec, put.mesh,
+                        put.spec) for _, mesh, spec, put in items)
         workers, sent = sp.workers, self._sent(sp)
-        got = boundary.get([workers[r].handle.put_shards.remote(
-                                [[items[i][0] for i in packet] for packet in packets], sent[r],
-                                lease=self._token)
-                            for r, packets in plan.sends.items()], timeout="fetch",
-                           what=f"the shards of {len(items)} buffers on {src}",
-                           died=lambda e: self.report_lost(src, boundary.death_summary(e)))
-        refs = dict(zip(plan.sends, got, strict=True))  # source rank -> a ref per packet
+        what = f"the shards of {len(items)} buffers on {src}"
+
+        def lost(e):
+            return self.report_lost(src, boundary.death_summary(e))
+
+        if mode == "pull":
+            plan = pull_transfer(arrays)
+            ids = {(r, d): new_pull_id() for r, per in plan.sends.items() for d in per}
+            offers = [workers[r].handle.offer.remote(
+                          {ids[r, d]: [(items[i][0], rel) for i, _, rel in pull]
+                           for d, pull in per.items()}, sent[r], lease=self._token)
+                      for r, per in plan.sends.items()]
+            # Every offer is up before any chip pulls: a source that died or a source
+            # buffer that failed raises here, and nothing reaches the destination.
+            offered = dict(zip(plan.sends, boundary.get(offers, timeout="fetch", what=what,
+                                                         died=lost), strict=True))
+            pulls = {(r, d): Pull(offered[r][0], ids[r, d], offered[r][1][ids[r, d]])
+                     for r, per in plan.sends.items() for d in per}
+            puts = [replace(put, pieces=[[(pulls[r, d], part, k) for r, k, part in mine]
+                                         for d, mine in enumerate(per_dst)])
+                    for (*_, put), per_dst in zip(items, plan.pieces, strict=True)]
+            self.submit(dst, puts, source=src)
+            return
+        if mode != "objects":
+            raise ValueError(f"transfer mode {mode!r} is not one of 'pull', 'objects'")
+        plan = pack_transfer(arrays, [w.info.node_id for w in dp.workers])
+        refs, made = {}, []  # source rank -> a ref per packet; the sources' "all made"
+        for r, packets in plan.sends.items():
+            *refs[r], done = workers[r].handle.put_shards.options(
+                num_returns=len(packets) + 1).remote(
+                    [[items[i][0] for i in packet] for packet in packets], sent[r],
+                    lease=self._token)
+            made.append(done)
+        # The destination chips have the refs (and start pulling each packet the moment
+        # its source has made it) before the sources are done: no round trip between.
         puts = [replace(put, pieces=[[(refs[r][k], block, pos) for r, k, pos, block in mine]
                                      for mine in per_dst])
                 for (*_, put), per_dst in zip(items, plan.pieces, strict=True)]
         self.submit(dst, puts, source=src)
+        boundary.get(made, timeout="fetch", what=what, died=lost)
 
     def dispatch_stats(self) -> dict:
         """Batches forwarded so far and the CPU their forwarding took on this actor's
@@ -607,6 +644,9 @@ class Controller:
             ch.abort()  # a send or wait still blocked on it returns now
             ch.close()
         s.shutdown(lost=True)
+        for other in self.slices.values():  # their puts stop waiting on pulls from it
+            for w in other.workers:
+                w.handle.abandon.remote(name, lease=self._token)
         if self.multislice:  # one JAX world: the other slices cannot run a collective now
             for other in list(self.slices):
                 self._lose_locked(other, f"it shared one JAX world with slice {name}, which "

@@ -5,7 +5,7 @@ The global batch is cut into ``num_microbatches`` equal micro-batches (one per
 starting slice). Each step, the slice that owns a micro-batch computes its
 loss and gradients (one program, SPMD over the slice's chips), raveled into
 one vector with the loss as its last element. Every vector goes to every
-slice worker to worker (``reshard``: Ray's object store, DCN in Pathways
+slice chip to chip (``reshard``: JAX's transfer server, DCN in Pathways
 terms), and every slice sums them in micro-batch order with one small program
 and applies the update (a second program), so the replicas stay bit-identical.
 

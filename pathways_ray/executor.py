@@ -58,11 +58,27 @@ class Failed:
                                                                      self.traceback)
 
 
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An empty array on a 64-byte boundary: ``jax.device_put(..., may_alias=True)``
+    then adopts it on a CPU device instead of copying (XLA's CPU buffers are 64-byte
+    aligned; numpy's allocations only 16). Only for arrays nothing else will write."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def assemble(index: tuple[slice, ...], dtype: str,
              pieces: list[tuple[tuple[slice, ...], np.ndarray]]) -> np.ndarray:
     """Build the block ``index`` of an array from pieces that cover it."""
     shape = tuple(s.stop - s.start for s in index)
     for piece_index, data in pieces:
+        if (hasattr(data, "addressable_data") and str(data.dtype) == dtype
+                and tuple(data.shape) == shape
+                and all((a.start, a.stop) == (b.start, b.stop)
+                        for a, b in zip(index, piece_index, strict=True))):
+            return data  # pulled onto this chip as exactly the block: no copy at all
         if all(b.start <= a.start and a.stop <= b.stop
                for a, b in zip(index, piece_index, strict=True)):
             # One piece holds the whole block (the same sharding on both sides, or a
@@ -83,7 +99,7 @@ def assemble(index: tuple[slice, ...], dtype: str,
                     for low, high, a in zip(lo, hi, index, strict=True))
         src = tuple(slice(low - b.start, high - b.start)
                     for low, high, b in zip(lo, hi, piece_index, strict=True))
-        out[dst] = np.reshape(data[src], out[dst].shape)  # a host's [x] for a scalar
+        out[dst] = np.reshape(np.asarray(data)[src], out[dst].shape)  # a host's [x] for a scalar
         covered += int(np.prod([high - low for low, high in zip(lo, hi, strict=True)]))
     if covered < out.size:
         raise ValueError(f"pieces cover {covered} of the {out.size} elements of block {index}")
@@ -149,6 +165,25 @@ class Executor:
         value = self._ok(buffer_id)
         try:
             return np.asarray(value.addressable_data(0))
+        except Exception:  # noqa: BLE001
+            raise RemoteError(f"computing buffer {buffer_id}", traceback.format_exc()) from None
+
+    def local_piece(self, buffer_id: int, part: tuple[slice, ...] | None):
+        """This chip's shard as a device array, or the part ``part`` of it (a copy on
+        this chip), to offer to a pull. Raises like ``local_shard``."""
+        import jax
+
+        value = self._ok(buffer_id)
+        try:
+            shard = value.addressable_data(0)
+            shard.block_until_ready()  # a failed program raises here, as itself
+            if part is None:
+                return shard
+            # One copy, on the host, into memory the device array then owns.
+            view = np.asarray(shard)[part]
+            out = aligned_empty(view.shape, view.dtype)
+            out[...] = view
+            return jax.device_put(out, next(iter(shard.devices())), may_alias=True)
         except Exception:  # noqa: BLE001
             raise RemoteError(f"computing buffer {buffer_id}", traceback.format_exc()) from None
 
@@ -271,9 +306,10 @@ class Executor:
         sharding = self.sharding(cmd.mesh, cmd.spec, cmd.start)
         index = shard_slices(cmd.shape, cmd.mesh, cmd.spec)[self.rank - cmd.start]
         local = assemble(index, cmd.dtype, self._pieces(cmd.buffer))
-        device = jax.local_devices()[0]
+        if isinstance(local, np.ndarray):
+            local = jax.device_put(local, jax.local_devices()[0])
         self.buffers[cmd.buffer] = jax.make_array_from_single_device_arrays(
-            tuple(cmd.shape), sharding, [jax.device_put(local, device)])
+            tuple(cmd.shape), sharding, [local])
 
     def _run(self, cmd: Run) -> None:
         args = [self.get(i) for i in cmd.inputs]

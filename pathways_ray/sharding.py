@@ -12,10 +12,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 
-__all__ = ["HostBlocks", "MeshShape", "TransferPacking", "host_blocks", "normalize_spec",
-           "pack_transfer", "shard_slices",
+__all__ = ["HostBlocks", "MeshShape", "PullPlan", "TransferPacking", "host_blocks",
+           "normalize_spec", "pack_transfer", "pull_transfer", "shard_slices",
            "transfer_plan", "unique_shards"]
 
 Spec = tuple[tuple[str, ...], ...]  # per array dim: the mesh axes it is split over
@@ -73,6 +74,11 @@ def normalize_spec(spec: Sequence, ndim: int, mesh: MeshShape) -> Spec:
 
 def shard_slices(shape: Sequence[int], mesh: MeshShape, spec: Spec) -> list[tuple[slice, ...]]:
     """The index each device (rank order) holds of an array of ``shape``."""
+    return list(_shard_slices(tuple(shape), mesh, tuple(tuple(axes) for axes in spec)))
+
+
+@lru_cache(maxsize=4096)  # every put and transfer asks again for the same few layouts
+def _shard_slices(shape: tuple[int, ...], mesh: MeshShape, spec: Spec) -> tuple:
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     for dim, (n, axes) in enumerate(zip(shape, spec, strict=True)):
         parts = prod(sizes[a] for a in axes)
@@ -90,7 +96,7 @@ def shard_slices(shape: Sequence[int], mesh: MeshShape, spec: Spec) -> list[tupl
             step = n // parts
             index.append(slice(block * step, (block + 1) * step))
         out.append(tuple(index))
-    return out
+    return tuple(out)
 
 
 def unique_shards(indices: list[tuple[slice, ...]]) -> list[int]:
@@ -177,6 +183,65 @@ def pack_transfer(arrays: Sequence[tuple[Sequence[int], int, MeshShape, Spec, Me
         sends[rank].append(list(packet))
     return TransferPacking(sends, [[[(r, number[r, h], pos, blk) for r, h, pos, blk in mine]
                                     for mine in per_dst] for per_dst in pieces])
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Who pulls what in a copy of several arrays between slices, chip from chip
+    (``pull_transfer``).
+
+    ``sends[r][d]`` lists what destination rank ``d`` pulls from source rank ``r``,
+    in one pull: ``(array position, the piece's global block, the piece relative to
+    r's shard, or None for all of it)``. ``pieces[i][d]`` lists, for array ``i`` and
+    destination rank ``d``, ``(source rank, position in that pull, the piece's global
+    block)`` of the pieces ``d`` assembles its block from.
+    """
+
+    sends: dict[int, dict[int, list[tuple[int, tuple[slice, ...], tuple[slice, ...] | None]]]]
+    pieces: list[list[list[tuple[int, int, tuple[slice, ...]]]]]
+
+
+@lru_cache(maxsize=64)  # a weight sync plans the same transfer every iteration
+def pull_transfer(arrays: tuple[tuple[tuple[int, ...], int, MeshShape, Spec, MeshShape, Spec],
+                                ...]) -> PullPlan:
+    """Plan a copy of several arrays ``(shape, itemsize, src mesh, src spec, dst mesh,
+    dst spec)`` to another slice as pulls: each destination chip pulls, from each
+    source chip it needs, exactly the parts of its own blocks that chip holds, all the
+    arrays in one pull. Nothing it does not keep crosses; a piece that is a whole
+    destination block lands as that block. A part held by several source chips
+    (replicated along a mesh axis) comes from the one with the fewest bytes to send
+    so far, so replicas share the work. ``arrays`` is a tuple (the plan is cached;
+    read it, never change it).
+    """
+    load: dict[int, int] = {}
+    sends: dict[int, dict[int, list]] = {}
+    pieces = []
+    for i, (shape, itemsize, src_mesh, src_spec, dst_mesh, dst_spec) in enumerate(arrays):
+        src_index, _, needs = transfer_plan(shape, src_mesh, src_spec, dst_mesh, dst_spec)
+        dst_index = shard_slices(shape, dst_mesh, dst_spec)
+        holders: dict[tuple, list[int]] = {}
+        for rank, idx in enumerate(src_index):
+            holders.setdefault(tuple((b.start, b.stop) for b in idx), []).append(rank)
+        per_dst = []
+        for d, firsts in enumerate(needs):
+            mine = []
+            for first in firsts:
+                block = src_index[first]
+                part = tuple(slice(max(a.start, b.start), min(a.stop, b.stop))
+                             for a, b in zip(dst_index[d], block, strict=True))
+                sender = min(holders[tuple((b.start, b.stop) for b in block)],
+                             key=lambda r: (load.get(r, 0), r))
+                load[sender] = load.get(sender, 0) + itemsize * prod(
+                    p.stop - p.start for p in part)
+                rel = None if part == block else tuple(
+                    slice(p.start - b.start, p.stop - b.start)
+                    for p, b in zip(part, block, strict=True))
+                pull = sends.setdefault(sender, {}).setdefault(d, [])
+                mine.append((sender, len(pull), part))
+                pull.append((i, part, rel))
+            per_dst.append(mine)
+        pieces.append(per_dst)
+    return PullPlan(sends, pieces)
 
 
 def spread_shards(arrays: Sequence[tuple[Sequence[int], int, MeshShape, Spec]],

@@ -100,7 +100,10 @@ class _SimChip:
         raise NotImplementedError("simulated chips hold no array bytes: fetch() needs a "
                                   "real fleet (pathways_ray.connect on a LocalFleet)")
 
-    shards = put_shards = held = shard
+    shards = put_shards = held = offer = shard
+
+    def abandon(self, slice_name, lease=None):
+        return None  # simulated chips pull nothing
 
     def bind(self, lease=None):
         return None

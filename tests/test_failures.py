@@ -141,6 +141,53 @@ def test_a_reshard_from_a_lost_slice_raises_and_creates_nothing(fleet):
         _restore(fleet)
 
 
+def _chip_processes(fleet, slice_name: str) -> list:
+    from pathways_ray import _procs
+
+    key = fleet._plan(slice_name, 0).key
+    return [p for p in _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key))
+            if "ChipWorker" in " ".join(p.cmdline())]
+
+
+def test_a_copy_whose_source_dies_before_it_is_pulled_fails_with_slice_lost(fleet,
+                                                                           monkeypatch):
+    """Chip-to-chip pulls (``pull.py``): slice 1 offers its shards, then its host dies
+    before slice 0's chips (stopped meanwhile) pull them. The copy fails with
+    SliceLost naming slice 1, at once and not at the pull's deadline; slice 0 stays
+    healthy and usable."""
+    monkeypatch.setenv("PATHWAYS_RAY_STEP_TIMEOUT_S", "120")  # slice 0 is stopped a while
+    monkeypatch.setenv("PATHWAYS_RAY_TRANSFER", "pull")
+    _restore(fleet)
+    client = connect()
+    try:
+        s0, s1 = (s.name for s in client.slices)
+        sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
+        x = np.arange(64, dtype=np.float32).reshape(16, 4)
+        on1 = client.device_put(x, sh, slice=s1)
+        np.testing.assert_array_equal(on1.fetch(), x)
+        stopped = _chip_processes(fleet, s0)
+        assert len(stopped) == 4
+        for p in stopped:
+            p.suspend()
+        try:
+            copy = reshard(on1, NamedSharding(client.mesh((2, 2), ("a", "b")), P("a", "b")),
+                           slice=s0)  # offered on slice 1; the pulls wait on slice 0
+            _remove(fleet, s1)
+        finally:
+            for p in stopped:
+                p.resume()
+        t0 = time.monotonic()
+        with pytest.raises(SliceLost, match=s1):
+            copy.fetch(timeout_s=60)
+        assert time.monotonic() - t0 < 30
+        ok = client.jit(lambda v: v * 2)(client.device_put(x, sh, slice=s0))
+        np.testing.assert_array_equal(ok.fetch(), x * 2)
+        assert client.stats().keys() == {s0}
+    finally:
+        client.close()
+        _restore(fleet)
+
+
 def test_a_frozen_host_is_caught_by_the_step_deadline(fleet, monkeypatch):
     """SIGSTOP on slice 1's host (its sockets stay open; gloo would wait ~100 s for
     JAX's heartbeat): the controller's step deadline (3 s here) condemns the slice and

@@ -68,3 +68,43 @@ def test_a_transfer_packs_one_object_per_source_chip_and_destination_host():
             assert block == (slice(0, 8), slice(8 * (d // 2), 8 * (d // 2) + 8))
         # Both destination chips of a host read the same object.
         assert per_dst[0][0][:2] == per_dst[1][0][:2] and per_dst[2][0][:2] == per_dst[3][0][:2]
+
+
+def test_a_pull_transfer_moves_only_what_each_destination_chip_keeps():
+    from pathways_ray.sharding import pull_transfer
+
+    dm, mp = MeshShape(("data", "model"), (2, 2)), MeshShape(("model",), (4,))
+    # The weight sync of the RL loop: 2x2 (data x model, replicated over "data") to a
+    # 1x4 model-parallel slice. Each destination chip keeps a quarter, which lies in
+    # one source half, held by two chips.
+    arrays = [((8, 16), 4, dm, ((), ("model",)), mp, ((), ("model",)))] * 3
+    plan = pull_transfer(tuple(arrays))
+    pulled = {}
+    for i, per_dst in enumerate(plan.pieces):
+        for d, mine in enumerate(per_dst):
+            (rank, k, part), = mine
+            assert part == (slice(0, 8), slice(4 * d, 4 * d + 4))  # just its quarter
+            assert rank in ((0, 2) if d < 2 else (1, 3))  # a holder of that half
+            pos, whole, rel = plan.sends[rank][d][k]
+            assert (pos, whole) == (i, part)
+            assert rel == (slice(0, 8), slice(4 * (d % 2), 4 * (d % 2) + 4))  # in its shard
+            pulled[rank] = pulled.get(rank, 0) + 8 * 4 * 4
+    # The replicas share the work: every source chip sends a quarter of the bytes.
+    assert sorted(pulled.values()) == [3 * 128] * 4
+
+
+def test_a_pull_of_the_same_sharding_moves_whole_shards_and_spreads_replicas():
+    from pathways_ray.sharding import pull_transfer
+
+    m = MeshShape(("data", "model"), (2, 2))
+    replicated = ((8, 16), 4, m, ((), ()), m, ((), ()))
+    same = ((8, 16), 2, m, (("data",), ("model",)), m, (("data",), ("model",)))
+    plan = pull_transfer((same, replicated))
+    for d, mine in enumerate(plan.pieces[0]):
+        (rank, k, part), = mine
+        assert rank == d and plan.sends[rank][d][k][2] is None  # a whole shard, as is
+    # A replicated array: every destination chip needs all of it, held by all four
+    # source chips; the four pulls come from four different chips.
+    senders = [mine[0][0] for mine in plan.pieces[1]]
+    assert sorted(senders) == [0, 1, 2, 3]
+    assert all(plan.sends[r][d][-1][2] is None for d, r in enumerate(senders))
