@@ -1,11 +1,12 @@
-"""Moving an array slice -> slice: object refs worker to worker vs. through the controller.
+"""Moving an array slice -> slice: chip to chip vs. through the controller.
 
     python benchmarks/reshard.py [--mib 64] [--reps 7]
 
 Two emulated v6e 2x2 slices on two emulated hosts. The same 64 MiB array
 (sharded over 4 chips) goes from one slice to the other and back, either with
-the controller forwarding only object refs (what pathways_ray.reshard does)
-or with the bytes routed through the controller process. Prints the median
+the chips copying it themselves (what pathways_ray.reshard does: pulls over
+JAX's transfer server, or Ray objects with PATHWAYS_RAY_TRANSFER=objects) or
+with the bytes routed through the controller process. Prints the median
 time of each and the median ratio over back-to-back pairs (target >= 2x).
 """
 
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
 from pathways_ray.client import connect
+from pathways_ray.config import transfer_mode
 from pathways_ray.testing import DebugController, reshard_via_controller
 
 
@@ -53,7 +55,8 @@ def main() -> None:
         ratios = sorted(b / a for a, b in zip(times[False][1:], times[True][1:], strict=True))
         print(f"{args.mib} MiB over 4 chips, slice {client.slices[0].name} -> "
               f"{client.slices[1].name} (separate emulated hosts), median of {args.reps}")
-        print(f"  worker to worker (refs)  {refs * 1e3:8.1f} ms  {args.mib / refs:7.1f} MiB/s")
+        print(f"  chip to chip ({transfer_mode():<7}) {refs * 1e3:8.1f} ms  "
+              f"{args.mib / refs:7.1f} MiB/s")
         print(f"  through the controller   {routed * 1e3:8.1f} ms  {args.mib / routed:7.1f} MiB/s")
         print(f"  ratio                    {statistics.median(ratios):8.2f}x (target >= 2x; "
               f"pairs {ratios[0]:.2f}-{ratios[-1]:.2f})")
