@@ -217,6 +217,7 @@ class ChipWorker:
             self._staged.clear()
             self._packets.clear()
             self._arrived.clear()
+            self._lost_sources.clear()
             self._held.clear()
             self._staged_cond.notify_all()
         if self.executor is not None:
