@@ -406,11 +406,14 @@ class Client:
         """``x`` (an array or a pytree of them) with another sharding, on its slice or
         on ``slice``. ``sharding``: one for every array, or a matching pytree.
 
-        Across slices the shards travel worker to worker as object refs, all the
-        arrays from one slice in one message. If a source slice is gone this raises
-        ``SliceLost`` naming it, and nothing is created on the destination."""
+        Across slices the chips copy the shards themselves, all the arrays from one
+        slice in one message (``$PATHWAYS_RAY_TRANSFER``: ``pull``, chip to chip over
+        JAX's transfer server, or ``objects``, through the hosts' Ray object stores).
+        If a source slice is gone this raises ``SliceLost`` naming it, and nothing is
+        created on the destination."""
         import jax
 
+        mode = config.transfer_mode()  # a bad setting fails here, before any work
         leaves, treedef = jax.tree.flatten(x)
         shardings = jax.tree.leaves(sharding, is_leaf=lambda s: hasattr(s, "spec"))
         if len(shardings) == 1 and len(leaves) > 1:
@@ -440,17 +443,17 @@ class Client:
                 moves.setdefault(a.slice, []).append((a, b))
             out.append(b)
         for src, pairs in moves.items():
-            self._transfer(src, target.name, pairs)
+            self._transfer(src, target.name, pairs, mode)
         return out[0] if isinstance(x, RemoteArray) else jax.tree.unflatten(treedef, out)
 
-    def _transfer(self, src: str, dst: str, pairs: list[tuple[RemoteArray, RemoteArray]]):
+    def _transfer(self, src: str, dst: str, pairs: list[tuple[RemoteArray, RemoteArray]],
+                  mode: str):
         self._sync(src)
         self._sync(dst)
         items = [(a._id, a.mesh, a.spec, Put(b._id, tuple(b.shape), b.dtype.name, b.spec, b.mesh))
                  for a, b in pairs]
         try:
-            self._call("transfer", src, dst, items, config.transfer_mode(), timeout="fetch",
-                       where=src)
+            self._call("transfer", src, dst, items, mode, timeout="fetch", where=src)
         except SliceLost as e:
             self._queue.record(dst if e.slice == dst else src, e)
             raise

@@ -115,6 +115,15 @@ def test_losing_a_host_raises_slice_lost_and_the_other_slice_runs_on(fleet):
     assert time.monotonic() - t0 < 30
 
 
+def _on_slice_1(client, x: np.ndarray):
+    """``x`` put on slice 1 over 4 chips and read back: ``(s0, s1, sharding, array)``."""
+    s0, s1 = (s.name for s in client.slices)
+    sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
+    on1 = client.device_put(x, sh, slice=s1)
+    np.testing.assert_array_equal(on1.fetch(), x)
+    return s0, s1, sh, on1
+
+
 def test_a_reshard_from_a_lost_slice_raises_and_creates_nothing(fleet):
     """The host comes back (a new slice under the old name); a client holding both
     slices loses slice 1 again, and a cross-slice reshard of an array that lived there
@@ -122,11 +131,8 @@ def test_a_reshard_from_a_lost_slice_raises_and_creates_nothing(fleet):
     _restore(fleet)
     client = connect()
     try:
-        s0, s1 = (s.name for s in client.slices)
-        sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
         x = np.arange(16, dtype=np.float32).reshape(4, 4)
-        on1 = client.device_put(x, sh, slice=s1)
-        np.testing.assert_array_equal(on1.fetch(), x)
+        s0, s1, sh, on1 = _on_slice_1(client, x)
         _remove(fleet, s1)
         with pytest.raises(SliceLost, match=s1):
             reshard(on1, sh, slice=s0)
@@ -160,11 +166,8 @@ def test_a_copy_whose_source_dies_before_it_is_pulled_fails_with_slice_lost(flee
     _restore(fleet)
     client = connect()
     try:
-        s0, s1 = (s.name for s in client.slices)
-        sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
         x = np.arange(64, dtype=np.float32).reshape(16, 4)
-        on1 = client.device_put(x, sh, slice=s1)
-        np.testing.assert_array_equal(on1.fetch(), x)
+        s0, s1, sh, on1 = _on_slice_1(client, x)
         stopped = _chip_processes(fleet, s0)
         assert len(stopped) == 4
         for p in stopped:

@@ -85,8 +85,9 @@ def test_rollouts_are_scored_by_the_chain(fleet):
         client.close()
 
 
-def test_reshard_of_a_pytree_checks_its_arguments(fleet):
-    """One sharding per array or one for all; a host array is not a RemoteArray."""
+def test_reshard_of_a_pytree_checks_its_arguments(fleet, monkeypatch):
+    """One sharding per array or one for all; a host array is not a RemoteArray; an
+    unknown $PATHWAYS_RAY_TRANSFER is named before anything moves."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -98,6 +99,10 @@ def test_reshard_of_a_pytree_checks_its_arguments(fleet):
             client.reshard(xs, [sh, sh, sh], slice=1)
         with pytest.raises(TypeError, match="use device_put"):
             client.reshard(np.ones(4), sh, slice=1)
+        with monkeypatch.context() as env:
+            env.setenv("PATHWAYS_RAY_TRANSFER", "fast")
+            with pytest.raises(ValueError, match="PATHWAYS_RAY_TRANSFER='fast'.*pull, objects"):
+                client.reshard(xs, sh, slice=1)
         moved = client.reshard(xs, sh, slice=1)
         assert {k: v.slice for k, v in moved.items()} == {"a": client.slice(1).name,
                                                           "b": client.slice(1).name}
