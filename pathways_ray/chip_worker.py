@@ -19,6 +19,7 @@ import ray
 
 from pathways_ray import boundary, compile_cache
 from pathways_ray.channel import ChannelServer
+from pathways_ray.commands import Put
 from pathways_ray.config import PLATFORM_ENV, timeout_s
 from pathways_ray.errors import LeaseRevoked, RemoteError, SliceLost, WaitTimeout, WorkerDied
 from pathways_ray.executor import Executor
@@ -75,6 +76,7 @@ class ChipWorker:
         self._transfers = Transfers(self.info.ip)  # chip-to-chip pulls (pull.py)
         self._arrived: set = set()  # pulls in _packets whose bytes are all here
         self._lost_sources: set[str] = set()  # slices the controller lost (abandon)
+        self._cancelled: dict[int, BaseException] = {}  # pull id -> why it never comes
         self._staged_cond = threading.Condition()
         self._held: dict[int, object] = {}  # token -> shards (or the error) for a sidecar
         self._cache_counter = None  # this process's compilation cache lookups
@@ -218,6 +220,7 @@ class ChipWorker:
             self._packets.clear()
             self._arrived.clear()
             self._lost_sources.clear()
+            self._cancelled.clear()
             self._held.clear()
             self._staged_cond.notify_all()
         if self.executor is not None:
@@ -236,7 +239,7 @@ class ChipWorker:
             raise RuntimeError("init_world() has not run on this chip worker")
         self._check_lease(lease)
         if self._channel is None:
-            self._channel = ChannelServer(self.info.ip, self.executor.run)
+            self._channel = ChannelServer(self.info.ip, self._run_batch)
         return self._channel.address, self._channel.token
 
     @ray.method(concurrency_group="control")
@@ -261,12 +264,27 @@ class ChipWorker:
         (a cross-slice reshard), or the ``(slice, host)`` of the sidecar that returns
         them."""
         self._check_lease(lease)
+        self._stage({b: [(refs[p[0]], *p[1:]) for p in pieces] for b, pieces in buffers.items()},
+                    source)
+
+    def _run_batch(self, batch: list) -> None:
+        """Run a batch of the command stream; first start the pulls of its puts that
+        carry them (a cross-slice reshard's: ``Controller.transfer``), all at once."""
+        inline = {cmd.buffer: cmd.pieces[self.executor.rank - cmd.start] for cmd in batch
+                  if isinstance(cmd, Put) and cmd.pieces is not None}
+        if inline:
+            sources = {p[0].source for pieces in inline.values() for p in pieces}
+            self._stage(inline, sources.pop() if len(sources) == 1 else None)
+        self.executor.run(batch)
+
+    def _stage(self, buffers: dict[int, list], source: str | tuple | None) -> None:
         # Start every copy now, all at once, while the stream runs what comes before
         # their puts (one by one, each put would wait for its own). Pulls from another
         # chip's transfer server (``pull.py``) land in this chip's memory, started before
         # their puts can look for them; Ray objects come to this host's store, on a
         # daemon thread: a pull from a host that died waits out its timeout without
         # holding up later pulls or this process's exit.
+        refs = list(dict.fromkeys(p[0] for pieces in buffers.values() for p in pieces))
         started = {}
         for p in refs:
             if isinstance(p, Pull):
@@ -276,9 +294,9 @@ class ChipWorker:
                     started[p] = ConnectionError(f"pulling from {p.address}: {e}")
         with self._staged_cond:
             for buffer_id, pieces in buffers.items():
-                self._staged[buffer_id] = ([(refs[p[0]], *p[1:]) for p in pieces], source)
-                for k in {p[0] for p in pieces}:
-                    self._packets.setdefault(refs[k], [None, 0])[1] += 1
+                self._staged[buffer_id] = (pieces, source)
+                for r in {p[0] for p in pieces}:
+                    self._packets.setdefault(r, [None, 0])[1] += 1
             for p, arrays in started.items():
                 self._packets[p][0] = arrays
             self._staged_cond.notify_all()
@@ -295,6 +313,13 @@ class ChipWorker:
         fails now (``SliceLost``) instead of at its deadline."""
         self._check_lease(lease)
         self._lost_sources.add(slice_name)
+
+    @ray.method(concurrency_group="control")
+    def cancel(self, pulls: list[int], error: BaseException, lease: str | None = None) -> None:
+        """The offers ``pulls`` will never come (their source could not make them): a
+        put waiting on one fails now, with ``error``, instead of at its deadline."""
+        self._check_lease(lease)
+        self._cancelled.update(dict.fromkeys(pulls, error))
 
     def _take_pieces(self, buffer_id: int) -> list:
         wait_s = timeout_s("stream")
@@ -333,8 +358,7 @@ class ChipWorker:
                     try:
                         if not isinstance(arrays, list):
                             raise arrays or ConnectionError(f"{what} were never pulled")
-                        wait_pulled(arrays, wait_s, what,
-                                    abandoned=lambda: source in self._lost_sources)
+                        wait_pulled(arrays, wait_s, what, stopped=lambda r=r: self._stopped(r))
                         self._arrived.add(r)
                     except TimeoutError as e:
                         raise WaitTimeout(str(e)) from None
@@ -364,6 +388,12 @@ class ChipWorker:
                         if held[1] <= 0:
                             del self._packets[r]
                             self._arrived.discard(r)
+
+    def _stopped(self, pull: Pull) -> BaseException | None:
+        """Why ``pull`` will never arrive, if the controller has said so."""
+        if pull.source in self._lost_sources:
+            return ConnectionError(f"the controller lost slice {pull.source}")
+        return self._cancelled.get(pull.uuid)
 
     def _give(self, token: int, value) -> None:
         with self._staged_cond:
@@ -421,21 +451,35 @@ class ChipWorker:
         return (*([self.executor.local_shard(i) for i in packet] for packet in packets),
                 True)
 
-    def offer(self, pulls: dict[int, list[tuple[int, tuple | None]]], after: int = 0,
-              lease: str | None = None) -> tuple[str, dict]:
+    def offer(self, pulls: dict[int, list[tuple[int, tuple | None, tuple]]], after: int = 0,
+              lease: str | None = None) -> bool:
         """Offer, per pull id, this chip's shards of buffers (or the parts named),
-        ``(buffer id, part or None)``, to one pull by another chip (``pull.py``), for
-        ``$PATHWAYS_RAY_STREAM_TIMEOUT_S``. Returns this chip's transfer server
-        address and, per pull id, each piece's ``(shape, dtype)`` as it is here (what
-        the puller must ask for). Raises if a buffer failed."""
+        ``(buffer id, part as (start, stop) per axis or None, (shape, dtype) the puller
+        expects)``, to one pull
+        by another chip (``pull.py``), for ``$PATHWAYS_RAY_STREAM_TIMEOUT_S``. Raises
+        if a buffer failed, or is not what the puller expects: nothing is offered
+        then."""
         self._check_lease(lease)
         self._after(after)
-        layouts = {}
-        for uuid, wanted in pulls.items():
-            arrays = [self.executor.local_piece(buffer_id, part) for buffer_id, part in wanted]
-            self._transfers.offer(uuid, arrays, timeout_s("stream"))
-            layouts[uuid] = tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
-        return self._transfers.address(), layouts
+        wanted = [(b, part) for pieces in pulls.values() for b, part, _ in pieces]
+        arrays = self.executor.local_pieces(wanted)
+        for (b, _, (shape, dtype)), a in zip((p for ps in pulls.values() for p in ps), arrays,
+                                             strict=True):
+            if (tuple(a.shape), str(a.dtype)) != (tuple(shape), dtype):
+                raise RemoteError(f"offering buffer {b} to another slice",
+                                  f"its piece here is {a.dtype}{list(a.shape)}, the copy "
+                                  f"expects {dtype}{list(shape)} (does the client's JAX "
+                                  f"config, jax_enable_x64, differ from the chips'?)")
+        arrays = iter(arrays)
+        for uuid, pieces in pulls.items():
+            self._transfers.offer(uuid, [next(arrays) for _ in pieces], timeout_s("stream"))
+        return True
+
+    @ray.method(concurrency_group="control")
+    def transfer_address(self, lease: str | None = None) -> str:
+        """Where this chip's transfer server listens (started now if it has not been)."""
+        self._check_lease(lease)
+        return self._transfers.address()
 
     def ready(self, buffer_ids: list[int], after: int = 0, lease: str | None = None) -> bool:
         """True once the buffers are computed; raises the remote error if one failed."""

@@ -205,7 +205,9 @@ class Client:
             shardings = shardings * len(leaves)
         out = []
         for leaf, sh in zip(leaves, shardings, strict=True):
-            out.append(self._put_one(np.asarray(leaf), sh, target))
+            host = np.asarray(leaf)  # as jax.device_put: float64 is float32 without x64
+            host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+            out.append(self._put_one(host, sh, target))
         return jax.tree.unflatten(treedef, out)
 
     def _put_one(self, x: np.ndarray, sharding, target: SliceInfo) -> RemoteArray:

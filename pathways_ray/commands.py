@@ -49,7 +49,8 @@ class Put:
     ``pieces`` (one list of ``(object ref, index)`` per chip, in device order)
     travel from the client to the controller only: the controller hands each
     chip its own by Ray call (so Ray tracks the refs) and forwards the command
-    without them.
+    without them. Pulls from another slice's chips (``pull.Pull``, a cross-slice
+    reshard) are no refs: they stay in the command, and each chip takes its own.
     """
 
     buffer: int

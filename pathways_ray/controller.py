@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -77,6 +78,12 @@ class Placement:
         return sum(s.num_chips for s in self.slices)
 
 
+def _bounds(part: tuple[slice, ...] | None) -> tuple[tuple[int, int], ...] | None:
+    """A part of a shard as plain ints, ``(start, stop)`` per axis: a Ray call's
+    arguments in msgpack, with no pickling of a slice object each."""
+    return None if part is None else tuple((s.start, s.stop) for s in part)
+
+
 class Controller:
     """Create with ``ray.remote(Controller)`` (``pathways_ray.connect()`` does)."""
 
@@ -107,6 +114,8 @@ class Controller:
         self._closed = False
         self._lock = threading.RLock()
         self._last_load: dict[str, int] = {}  # slice -> number of its last batch with a Load
+        # slice -> its chips' transfer server addresses (chip-to-chip pulls), asked once
+        self._transfer_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._monitor: HealthMonitor | None = None
         self._shapes: dict = {}  # slice -> Topology, of every slice ever held
         self._regrower = Regrower(self._reserve_replacement, self._add_replacement)
@@ -245,6 +254,12 @@ class Controller:
                     batch.append(Load(fp, self.programs[fp]))
                     loaded.add(fp)
                     self.loads_sent[where] += 1
+                case Put(pieces=[[(Pull(), *_), *_], *_]):
+                    # Pulls travel in the command: each chip starts its own on reading
+                    # the batch (ChipWorker._run_batch), with no Ray call of their own.
+                    batch.append(replace(cmd, start=p.start))
+                    live.update(cmd.writes)
+                    continue
                 case Put(pieces=pieces) if pieces is not None:
                     if staged is None:
                         staged = [{} for _ in range(p.chips)]
@@ -444,10 +459,12 @@ class Controller:
 
         - ``pull``: every destination chip pulls, from each source chip it needs, just
           the parts of its blocks that chip holds, over JAX's transfer server, into
-          its own memory (``pull.py``, ``sharding.pull_transfer``). The sources offer
-          first, so a source slice that died, or a source buffer whose program failed,
-          raises here (``SliceLost``, ``RemoteError``) and nothing reaches the
-          destination.
+          its own memory (``pull.py``, ``sharding.pull_transfer``). The pulls travel
+          in the puts, down the destination's command stream, and start when its
+          chips read the batch, while the sources offer their parts: nothing waits
+          for a round trip between the two. A source slice that died, or a source
+          buffer whose program failed, raises here (``SliceLost``, ``RemoteError``),
+          and the destination's buffers hold the same error.
         - ``objects``: each source chip makes, in its host's store, one Ray object per
           destination host holding its shards of every array that host needs
           (``sharding.pack_transfer``), and each destination chip gets the refs that
@@ -468,21 +485,29 @@ class Controller:
 
         if mode == "pull":
             plan = pull_transfer(arrays)
-            ids = {(r, d): new_pull_id() for r, per in plan.sends.items() for d in per}
+            at = [a for sl in sp.slices for a in self._transfer_addresses(sl, lost)]
+            pulls = {(r, d): Pull(at[r], new_pull_id(),
+                                  tuple((tuple(b.stop - b.start for b in block), items[i][3].dtype)
+                                        for i, block, _ in pull), src)
+                     for r, per in plan.sends.items() for d, pull in per.items()}
             offers = [workers[r].handle.offer.remote(
-                          {ids[r, d]: [(items[i][0], rel) for i, _, rel in pull]
+                          {pulls[r, d].uuid: [(items[i][0], _bounds(rel), layout)
+                                              for (i, _, rel), layout
+                                              in zip(pull, pulls[r, d].pieces, strict=True)]
                            for d, pull in per.items()}, sent[r], lease=self._token)
                       for r, per in plan.sends.items()]
-            # Every offer is up before any chip pulls: a source that died or a source
-            # buffer that failed raises here, and nothing reaches the destination.
-            offered = dict(zip(plan.sends, boundary.get(offers, timeout="fetch", what=what,
-                                                         died=lost), strict=True))
-            pulls = {(r, d): Pull(offered[r][0], ids[r, d], offered[r][1][ids[r, d]])
-                     for r, per in plan.sends.items() for d in per}
             puts = [replace(put, pieces=[[(pulls[r, d], part, k) for r, k, part in mine]
                                          for d, mine in enumerate(per_dst)])
                     for (*_, put), per_dst in zip(items, plan.pieces, strict=True)]
             self.submit(dst, puts, source=src)
+            try:
+                boundary.get(offers, timeout="fetch", what=what, died=lost)
+            except Exception as e:
+                # Nothing will come: the destination's puts fail with this error now.
+                ids = [p.uuid for p in pulls.values()]
+                for w in dp.workers:
+                    w.handle.cancel.remote(ids, e, lease=self._token)
+                raise
             return
         if mode != "objects":
             raise ValueError(f"transfer mode {mode!r} is not one of 'pull', 'objects'")
@@ -501,6 +526,15 @@ class Controller:
                 for (*_, put), per_dst in zip(items, plan.pieces, strict=True)]
         self.submit(dst, puts, source=src)
         boundary.get(made, timeout="fetch", what=what, died=lost)
+
+    def _transfer_addresses(self, sl: Slice, lost) -> list[str]:
+        """Where each chip of ``sl`` serves pulls (asked once per slice)."""
+        at = self._transfer_at.get(sl)
+        if at is None:
+            at = self._transfer_at[sl] = boundary.get(
+                [w.handle.transfer_address.remote(lease=self._token) for w in sl.workers],
+                timeout="control", what=f"the transfer servers of slice {sl.name}", died=lost)
+        return at
 
     def dispatch_stats(self) -> dict:
         """Batches forwarded so far and the CPU their forwarding took on this actor's

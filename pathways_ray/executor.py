@@ -7,10 +7,10 @@ the client fetches. A failure of the user's program becomes ``RemoteError``
 (with the remote traceback); a platform failure met while running a command
 (the source slice of a put died) keeps its own type, e.g. ``SliceLost``.
 
-``rank`` is the chip's place in its JAX world. The pieces of a ``Put`` (object
-refs of the source arrays) do not travel in the command: the worker hands them
-over through ``pieces(buffer_id)``, which waits for them to arrive and returns
-``(index, array)`` pairs.
+``rank`` is the chip's place in its JAX world. The worker hands over the
+pieces of a ``Put`` (object refs of the source arrays, or pulls from another
+slice's chips) through ``pieces(buffer_id)``, which waits for them to arrive
+and returns ``(index, array)`` pairs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -58,15 +59,18 @@ class Failed:
                                                                      self.traceback)
 
 
-def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An empty array on a 64-byte boundary: ``jax.device_put(..., may_alias=True)``
-    then adopts it on a CPU device instead of copying (XLA's CPU buffers are 64-byte
-    aligned; numpy's allocations only 16). Only for arrays nothing else will write."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+@lru_cache(maxsize=64)  # a weight sync cuts the same parts every iteration
+def _cutter(bounds: tuple[tuple[tuple[int, int], ...], ...]):
+    """One jitted program that cuts, from each of its arguments, the part whose
+    per-axis ``(start, stop)`` are ``bounds[i]``."""
+    import jax
+    from jax import lax
+
+    def cut(*shards):
+        return [lax.slice(x, [a for a, _ in b], [z for _, z in b])
+                for x, b in zip(shards, bounds, strict=True)]
+
+    return jax.jit(cut)
 
 
 def assemble(index: tuple[slice, ...], dtype: str,
@@ -118,6 +122,7 @@ class Executor:
         self.programs: dict[str, Callable] = {}
         self.compiled: dict[str, Callable] = {}  # compiled ahead (Compile): runs at once
         self._meshes: dict[MeshShape, object] = {}
+        self._shardings: dict[tuple, object] = {}
         self.commands_run = 0
         self.batches_run = 0
         self.tracing = False  # a profile is on: each command is a span of its own
@@ -149,9 +154,17 @@ class Executor:
         return self._meshes[key]
 
     def sharding(self, mesh: MeshShape, spec: Spec, start: int = 0):
-        from jax.sharding import NamedSharding, PartitionSpec
+        """One ``NamedSharding`` per layout, reused: JAX caches what it works out about
+        a sharding (its devices here) on the object, and a weight sync puts the same
+        few layouts every iteration."""
+        key = (mesh, spec, start)
+        found = self._shardings.get(key)
+        if found is None:
+            from jax.sharding import NamedSharding, PartitionSpec
 
-        return NamedSharding(self.mesh(mesh, start), PartitionSpec(*[a or None for a in spec]))
+            found = self._shardings[key] = NamedSharding(
+                self.mesh(mesh, start), PartitionSpec(*[a or None for a in spec]))
+        return found
 
     def get(self, buffer_id: int):
         value = self.buffers.get(buffer_id)
@@ -168,24 +181,30 @@ class Executor:
         except Exception:  # noqa: BLE001
             raise RemoteError(f"computing buffer {buffer_id}", traceback.format_exc()) from None
 
-    def local_piece(self, buffer_id: int, part: tuple[slice, ...] | None):
-        """This chip's shard as a device array, or the part ``part`` of it (a copy on
-        this chip), to offer to a pull. Raises like ``local_shard``."""
-        import jax
-
-        value = self._ok(buffer_id)
-        try:
-            shard = value.addressable_data(0)
-            shard.block_until_ready()  # a failed program raises here, as itself
-            if part is None:
-                return shard
-            # One copy, on the host, into memory the device array then owns.
-            view = np.asarray(shard)[part]
-            out = aligned_empty(view.shape, view.dtype)
-            out[...] = view
-            return jax.device_put(out, next(iter(shard.devices())), may_alias=True)
-        except Exception:  # noqa: BLE001
-            raise RemoteError(f"computing buffer {buffer_id}", traceback.format_exc()) from None
+    def local_pieces(self, wanted: list[tuple[int, tuple[tuple[int, int], ...] | None]]
+                     ) -> list:
+        """Per ``(buffer id, part)``, this chip's shard as a device array, or the part
+        of it (``(start, stop)`` per axis; a copy on this chip), to offer to a pull.
+        The parts are cut by one XLA program for all of them (``_cutter``): on a TPU
+        they never leave the chip, and on a CPU it is one call instead of a host copy
+        and a ``device_put`` each.
+        Raises like ``local_shard``."""
+        shards = []
+        for buffer_id, _ in wanted:
+            value = self._ok(buffer_id)
+            try:
+                shard = value.addressable_data(0)
+                shard.block_until_ready()  # a failed program raises here, as itself
+            except Exception:  # noqa: BLE001
+                raise RemoteError(f"computing buffer {buffer_id}",
+                                  traceback.format_exc()) from None
+            shards.append(shard)
+        cut = [i for i, (_, part) in enumerate(wanted) if part is not None]
+        if cut:
+            bounds = tuple(tuple(map(tuple, wanted[i][1])) for i in cut)  # msgpack: lists
+            for i, piece in zip(cut, _cutter(bounds)(*[shards[i] for i in cut]), strict=True):
+                shards[i] = piece
+        return shards
 
     def ready(self, buffer_ids: list[int]) -> None:
         for buffer_id in buffer_ids:

@@ -4,7 +4,8 @@ A cross-slice reshard (``Controller.transfer``, the RL loop's weight sync) has
 each destination chip pull, from each source chip it needs, the parts of its
 blocks that chip holds (``sharding.pull_transfer``). The source chip offers
 them under a random 63-bit id (``await_pull``); the destination pulls them
-straight into its own device buffers. This is the transfer JAX ships for
+straight into its own device buffers. Either side may go first: a pull waits
+for its offer. This is the transfer JAX ships for
 moving arrays between TPU slices over DCN, so the same code runs on TPUs; on
 the emulated fleet it is a TCP stream between two chip processes, with no copy
 through a store (Ray's objects cost a copy into the source host's store, a
@@ -18,8 +19,9 @@ What JAX's server does not give, and this module adds:
   source froze, never completes, and JAX would wait for ever; a pull from a
   slice the controller has lost ends at once (``ChipWorker.abandon``);
 - the server has no authentication; the ids are the capability. Only the
-  controller knows them and hands them out by Ray call (authenticated), one per
-  (source chip, destination chip) pair and transfer, valid once.
+  controller makes them, one per (source chip, destination chip) pair and
+  transfer, valid once, and hands them out only by authenticated channels: Ray's
+  calls to the sources, the command stream (its secret) to the destinations.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ class PullFailed(RuntimeError):
 @dataclass(frozen=True)
 class Pull:
     """What a destination chip pulls from one source chip in one transfer: the source
-    chip's server, the id of the offer, and each piece's ``(shape, dtype)``."""
+    chip's server, the id of the offer, each piece's ``(shape, dtype)``, and the
+    slice it comes from (for errors, and for ``ChipWorker.abandon``)."""
 
     address: str
     uuid: int
     pieces: tuple[tuple[tuple[int, ...], str], ...]
+    source: str = ""
 
 
 def new_id() -> int:
@@ -64,6 +68,7 @@ class Transfers:
         self._ip = ip
         self._server = None
         self._connections: dict[str, object] = {}
+        self._specs: dict[tuple, list] = {}  # Pull.pieces -> what conn.pull is asked for
         self._lock = threading.Lock()
 
     def _started(self):
@@ -97,10 +102,14 @@ class Transfers:
             conn = self._connections.get(pull.address)
             if conn is None:
                 conn = self._connections[pull.address] = server.connect(pull.address)
-        device = jax.local_devices()[0]
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        return conn.pull(pull.uuid, [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-                                     for shape, dtype in pull.pieces])
+        specs = self._specs.get(pull.pieces)
+        if specs is None:  # a weight sync pulls the same layouts every iteration
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+                     for shape, dtype in pull.pieces]
+            if len(self._specs) < 256:
+                self._specs[pull.pieces] = specs
+        return conn.pull(pull.uuid, specs)
 
     def forget(self, address: str) -> None:
         """Drop the connection to a server whose chip is gone (a new one reconnects)."""
@@ -109,18 +118,20 @@ class Transfers:
 
 
 def wait(arrays: list, timeout_s: float, what: str,
-         abandoned: Callable[[], bool] = lambda: False) -> None:
+         stopped: Callable[[], BaseException | None] = lambda: None) -> None:
     """Wait until pulled ``arrays`` have arrived. Raises ``ConnectionError`` with JAX's
     reason if the source went away, ``PullFailed`` with it if the pull failed for
     another reason, ``TimeoutError`` naming ``what`` after
-    ``timeout_s`` (its offer expired, or its chip froze). ``abandoned()`` turning true
-    (the controller lost the source slice: a host gone without closing its
-    connections, as a VM does) ends the wait with ``ConnectionError`` too."""
+    ``timeout_s`` (its offer expired, or its chip froze). ``stopped()`` returning an
+    exception ends the wait with it: the controller lost the source slice (a host
+    gone without closing its connections, as a VM does), or the source could not
+    offer (its buffer failed)."""
     deadline = time.monotonic() + timeout_s
     pause = 0.0005
     while not all(a.is_ready() for a in arrays):
-        if abandoned():
-            raise ConnectionError(f"{what}: the controller lost the slice it was on")
+        error = stopped()
+        if error is not None:
+            raise error
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not arrive within {timeout_s:g} s "
                                f"($PATHWAYS_RAY_STREAM_TIMEOUT_S)")

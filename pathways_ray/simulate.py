@@ -100,10 +100,13 @@ class _SimChip:
         raise NotImplementedError("simulated chips hold no array bytes: fetch() needs a "
                                   "real fleet (pathways_ray.connect on a LocalFleet)")
 
-    shards = put_shards = held = offer = shard
+    shards = put_shards = held = offer = transfer_address = shard
 
     def abandon(self, slice_name, lease=None):
         return None  # simulated chips pull nothing
+
+    def cancel(self, pulls, error, lease=None):
+        return None
 
     def bind(self, lease=None):
         return None

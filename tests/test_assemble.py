@@ -53,17 +53,3 @@ def test_a_pulled_device_array_that_is_the_block_becomes_the_shard_without_a_cop
     part = assemble((slice(2, 4), slice(0, 4)), "float32", [(block, x)])
     np.testing.assert_array_equal(part, np.asarray(x)[:2])
     assert assemble(block, "float64", [(block, x)]).dtype == np.float64
-
-
-def test_aligned_buffers_are_adopted_by_a_cpu_device_without_a_copy():
-    import jax
-
-    from pathways_ray.executor import aligned_empty
-
-    for shape in [(1000,), (3, 5), ()]:
-        host = aligned_empty(shape, np.float32)
-        assert host.ctypes.data % 64 == 0 and host.shape == shape
-        host[...] = 1
-        dev = jax.device_put(host, jax.devices("cpu")[0], may_alias=True)
-        host[...] = 7  # adopted: the device array sees it (nothing else writes it in use)
-        assert float(np.asarray(dev).ravel()[0]) == 7

@@ -154,6 +154,23 @@ def test_failing_program_returns_remote_traceback_and_slice_lives(client, mesh):
     np.testing.assert_array_equal(client.jit(lambda v: v * 3)(a).fetch(), 3 * np.ones(8))
 
 
+def test_a_copy_of_a_failed_buffer_to_another_slice_raises_its_error_and_nothing_waits(
+        client, mesh):
+    """A program on slice 0 failed (out of memory); a reshard of its result onto slice 1
+    raises that RemoteError. Slice 1's chips, which started pulling as soon as the copy
+    reached them, stop at once (not at their pull deadline): slice 1 runs the next
+    program right away."""
+    a = client.device_put(np.ones(8, np.float32), NamedSharding(mesh, P(("data", "model"))),
+                          slice=0)
+    huge = client.jit(lambda v: v + jnp.arange(1 << 36, dtype=jnp.float32).reshape(-1, 8).sum(0))
+    bad = huge(a)
+    with pytest.raises(RemoteError, match="RESOURCE_EXHAUSTED"):
+        reshard(bad, NamedSharding(mesh, P("model")), slice=1)
+    b = client.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("model")), slice=1)
+    np.testing.assert_array_equal(client.jit(lambda v: v * 3)(b).fetch(timeout_s=60),
+                                  3 * np.ones(8))
+
+
 def test_is_ready_polls_turn_true_and_raise_a_failure(client, mesh):
     """``is_ready`` never waits, and a computed buffer reads as ready within a few polls
     (the warm-up of a joining slice is polled this way between steps); a failed one

@@ -45,7 +45,7 @@ def test_a_pull_that_is_never_offered_ends_at_its_deadline_or_when_abandoned(end
         wait(pulls[0], 0.3, "the first")
     assert time.monotonic() - t0 < 5
     with pytest.raises(ConnectionError, match="lost the slice"):
-        wait(pulls[1], 60, "the second", abandoned=lambda: True)
+        wait(pulls[1], 60, "the second", stopped=lambda: ConnectionError("lost the slice"))
     for uuid in late:  # offered after all: nothing is left pending in this process
         src.offer(uuid, [x], timeout_s=60)
     for got in pulls:

@@ -95,6 +95,7 @@ def test_reshard_of_a_pytree_checks_its_arguments(fleet, monkeypatch):
     try:
         sh = NamedSharding(client.mesh((4,), ("chips",)), P("chips"))
         xs = client.device_put({"a": np.arange(8.0), "b": np.ones(4)}, sh, slice=0)
+        assert xs["a"].dtype == jax.numpy.zeros(1, np.float64).dtype  # as jax.device_put
         with pytest.raises(ValueError, match="sharding has 3 leaves for 2 arrays"):
             client.reshard(xs, [sh, sh, sh], slice=1)
         with pytest.raises(TypeError, match="use device_put"):
