@@ -322,10 +322,9 @@ class ChipWorker:
         self._cancelled.update(dict.fromkeys(pulls, error))
 
     def _take_pieces(self, buffer_id: int) -> list:
-        wait_s = timeout_s("stream")
         with self._staged_cond:
-            if not self._staged_cond.wait_for(lambda: buffer_id in self._staged,
-                                              timeout=wait_s):
+            if buffer_id not in self._staged and not self._staged_cond.wait_for(
+                    lambda: buffer_id in self._staged, timeout=(wait_s := timeout_s("stream"))):
                 raise WaitTimeout(f"the pieces of buffer {buffer_id} did not arrive within "
                                   f"{wait_s:g} s ($PATHWAYS_RAY_STREAM_TIMEOUT_S)")
             pieces, source = self._staged.pop(buffer_id)
@@ -358,7 +357,8 @@ class ChipWorker:
                     try:
                         if not isinstance(arrays, list):
                             raise arrays or ConnectionError(f"{what} were never pulled")
-                        wait_pulled(arrays, wait_s, what, stopped=lambda r=r: self._stopped(r))
+                        wait_pulled(arrays, timeout_s("stream"), what,
+                                    stopped=lambda r=r: self._stopped(r))
                         self._arrived.add(r)
                     except TimeoutError as e:
                         raise WaitTimeout(str(e)) from None

@@ -55,6 +55,9 @@ class Pull:
     pieces: tuple[tuple[tuple[int, ...], str], ...]
     source: str = ""
 
+    def __hash__(self) -> int:  # a dict key per put: not every piece's layout each time
+        return hash(self.uuid)
+
 
 def new_id() -> int:
     return secrets.randbits(63)

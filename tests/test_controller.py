@@ -244,6 +244,21 @@ def test_reshard_within_and_across_slices_keeps_content_and_controller_flat(clie
     assert float(client.jit(lambda v: v.sum())(big).fetch()) == 2048 * 4096
 
 
+def test_a_copy_through_the_hosts_object_stores_gives_the_same_arrays(client, mesh,
+                                                                        monkeypatch):
+    """``$PATHWAYS_RAY_TRANSFER=objects`` (shards through the hosts' Ray object stores,
+    the path before chip-to-chip pulls) copies across slices as the default does."""
+    monkeypatch.setenv("PATHWAYS_RAY_TRANSFER", "objects")
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    a = client.device_put(x, NamedSharding(mesh, P("data", "model")), slice=0)
+    moved = client.reshard({"x": a, "y": a}, {"x": NamedSharding(mesh, P("model", "data")),
+                                              "y": NamedSharding(mesh, P(None, ("data", "model")))},
+                           slice=1)
+    for b in moved.values():
+        assert b.slice == client.slices[1].name
+        np.testing.assert_array_equal(b.fetch(), x)
+
+
 def test_a_mesh_across_separate_worlds_says_how_to_join_them(client):
     with pytest.raises(ValueError, match=r"connect\(multislice=True\)"):
         client.mesh((2, 4), ("slice", "chips"), slices=[0, 1])
