@@ -453,12 +453,11 @@ class ChipWorker:
 
     def offer(self, pulls: dict[int, list[tuple[int, tuple | None, tuple]]], after: int = 0,
               lease: str | None = None) -> bool:
-        """Offer, per pull id, this chip's shards of buffers (or the parts named),
+        """Offer, per pull id, this chip's shards of buffers (or the parts named) to
+        one pull by another chip (``pull.py``), for ``$PATHWAYS_RAY_STREAM_TIMEOUT_S``:
         ``(buffer id, part as (start, stop) per axis or None, (shape, dtype) the puller
-        expects)``, to one pull
-        by another chip (``pull.py``), for ``$PATHWAYS_RAY_STREAM_TIMEOUT_S``. Raises
-        if a buffer failed, or is not what the puller expects: nothing is offered
-        then."""
+        expects)`` each. Raises if a buffer failed, or is not what the puller expects:
+        nothing is offered then."""
         self._check_lease(lease)
         self._after(after)
         wanted = [(b, part) for pieces in pulls.values() for b, part, _ in pieces]
