@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,7 +41,12 @@ def spec_of(sharding, ndim: int) -> tuple[MeshShape, Spec]:
 
 
 class RemoteArray:
-    """A handle to an array on a slice: shape, dtype and sharding are here, bytes are not."""
+    """A handle to an array on a slice: shape, dtype and sharding are here, bytes are not.
+
+    Immutable, like a ``jax.Array``: a copy is the same handle. When the last reference
+    goes, the client frees the buffer on the chips (``__del__``: ~10x cheaper than a
+    ``weakref.finalize`` per array, which was a third of the client's time per call).
+    """
 
     __slots__ = ("__weakref__", "_client", "_id", "_sig", "dtype", "mesh", "shape", "slice",
                  "spec")
@@ -57,7 +61,24 @@ class RemoteArray:
         self.mesh = mesh
         self.spec = spec
         self._sig = ArgSignature(self.shape, self.dtype.name, spec)  # hashed on every call
-        weakref.finalize(self, client._free, slice_name, buffer_id)
+
+    def __del__(self):
+        try:
+            self._client._free(self.slice, self._id)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, or a half-made handle
+            pass
+
+    def __copy__(self) -> RemoteArray:
+        return self  # one handle per buffer: a copy freeing it would pull it from under us
+
+    def __deepcopy__(self, memo) -> RemoteArray:
+        return self
+
+    def __reduce__(self):
+        raise TypeError(
+            f"{self!r} is a handle into this client's controller and cannot be pickled or "
+            f"sent to another process; fetch it there (np.asarray) and device_put it where "
+            f"it is needed, or pass it to client.sidecar calls, which take handles")
 
     @property
     def sharding(self):

@@ -150,7 +150,6 @@ class Dispatcher:
                 batch.clear()
                 return
             self._pending[name] = []
-            self._last_flush[name] = time.monotonic()
             t0 = time.time_ns()
             self._submitted.append((name, self._controller.submit.remote(name, batch)))
             if self.spans is not None:
@@ -163,6 +162,10 @@ class Dispatcher:
                                  died=self._died)
                 except PathwaysError as e:
                     self.record(oldest, e)
+            # From when the send (and any wait for room) ended: a sender held up here is
+            # ahead of the slice, so what it issues next is no burst after a pause (sent
+            # alone, every other batch would be one command).
+            self._last_flush[name] = time.monotonic()
 
     def flush(self) -> None:
         for name in list(self._pending):
