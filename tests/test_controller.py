@@ -299,6 +299,29 @@ def test_1000_pipelined_steps_do_not_leak(client, mesh):
     assert max(w["buffers"] for w in end["workers"]) <= base["workers"][0]["buffers"] + 1
 
 
+def test_a_client_held_up_by_backpressure_still_sends_full_batches(client, mesh):
+    """Steps issued faster than the slice runs them: once the client waits for room
+    (at most 32 batches on their way), what it issues next goes out in full batches,
+    not one command after each wait (which doubled the batches, and the per-batch cost
+    on the controller and every chip)."""
+    name = client.slices[1].name
+    step = client.jit(lambda v: jax.lax.fori_loop(
+        0, 120, lambda _, w: jnp.tanh(w @ w.T @ w * 0.01 + 0.1), v))
+    z = client.device_put(np.ones((64, 64), np.float32), NamedSharding(mesh, P()), slice=1)
+    z = step(z).block_until_ready()
+    steps, batch = 300, 4
+    before = stats(client, name)["workers"][0]["batches"]
+    client._queue.max_batch = batch  # 32 waiting batches are 128 steps: it waits soon
+    try:
+        for _ in range(steps):
+            z = step(z)
+        z.block_until_ready()
+    finally:
+        client._queue.max_batch = 64
+    batches = stats(client, name)["workers"][0]["batches"] - before
+    assert steps / batch <= batches <= 1.15 * steps / batch + 2, batches
+
+
 # ---- parity with one process on the same number of fake CPU devices -----------------
 def _mlp_data():
     rng = np.random.default_rng(42)
