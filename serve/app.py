@@ -110,9 +110,11 @@ def llm_config(model: str, *, platform: str = "tpu", model_source: str | None = 
     model_id, bundled_source = resolve_model(model)
     env = cpu_engine_env() if platform == "cpu" else tpu_engine_env()
     env.update(env_vars or {})
+    # A model in a local directory needs no per-node download tasks (serve/node_init.py).
+    callbacks = {"callback_class": "pathways_ray.serve.node_init.SkipLocalModelDownload"}
     return LLMConfig(**llm_config_dict(model_id, platform=platform,
                                        model_source=model_source or bundled_source,
-                                       env_vars=env, **plan))
+                                       env_vars=env, **plan), callback_config=callbacks)
 
 
 def openai_app(*configs, failover: bool = True):

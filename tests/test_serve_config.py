@@ -178,3 +178,28 @@ def test_accelerator_type_from_a_generation_or_pod_type(accelerator):
     from pathways_ray.serve.plan import accelerator_type
 
     assert accelerator_type(accelerator) == "TPU-V6E"
+
+
+@pytest.mark.parametrize("source, skip", [
+    ("local", True),                       # a directory here: nothing to download
+    ("gs://bucket/models/qwen", False),    # remote: Ray downloads it on every node
+    ("Qwen/Qwen3-30B-A3B", False),         # a Hugging Face id: Ray's path as before
+])
+def test_node_init_is_skipped_only_for_a_local_model_directory(tmp_path, source, skip):
+    """Ray Serve LLM's per-node download tasks run unless the model is a directory
+    here with no mirror (then they would only start processes); our callback, as
+    Ray Serve LLM loads it from the config, decides that from the engine config."""
+    import asyncio
+
+    from pathways_ray.serve import llm_config
+
+    if source == "local":
+        source = str(tmp_path)
+    cfg = llm_config("m", model_source=source, topology="4x4")
+    from ray.llm._internal.common.utils.import_utils import load_class
+
+    cls = load_class(cfg.callback_config.callback_class)  # as Ray Serve LLM does
+    callback = cls(llm_config=cfg)
+    assert callback.ctx.run_init_node
+    asyncio.run(callback.run_callback("on_before_node_init"))
+    assert callback.ctx.run_init_node is not skip
