@@ -44,8 +44,8 @@ class RemoteArray:
     """A handle to an array on a slice: shape, dtype and sharding are here, bytes are not.
 
     Immutable, like a ``jax.Array``: a copy is the same handle. When the last reference
-    goes, the client frees the buffer on the chips (``__del__``: ~10x cheaper than a
-    ``weakref.finalize`` per array, which was a third of the client's time per call).
+    goes, the client frees the buffer on the chips (``__del__``: making and freeing a
+    handle takes 3.3 us, against 5.0 us with a ``weakref.finalize`` per array).
     """
 
     __slots__ = ("__weakref__", "_client", "_id", "_sig", "dtype", "mesh", "shape", "slice",
