@@ -311,13 +311,14 @@ def test_a_client_held_up_by_backpressure_still_sends_full_batches(client, mesh)
     z = step(z).block_until_ready()
     steps, batch = 300, 4
     before = stats(client, name)["workers"][0]["batches"]
-    client._queue.max_batch = batch  # 32 waiting batches are 128 steps: it waits soon
+    # 32 batches waiting at the controller are 128 steps: the client waits soon
+    usual, client._queue.max_batch = client._queue.max_batch, batch
     try:
         for _ in range(steps):
             z = step(z)
         z.block_until_ready()
     finally:
-        client._queue.max_batch = 64
+        client._queue.max_batch = usual
     batches = stats(client, name)["workers"][0]["batches"] - before
     assert steps / batch <= batches <= 1.15 * steps / batch + 2, batches
 
