@@ -25,7 +25,7 @@ from pathways_ray.errors import LeaseRevoked, RemoteError, SliceLost, WaitTimeou
 from pathways_ray.executor import Executor
 from pathways_ray.pull import Pull, PullFailed, Transfers
 from pathways_ray.pull import wait as wait_pulled
-from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env
+from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env, wait_listening
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +148,13 @@ class ChipWorker:
                 _cache_writes_from_every_process()
             self._cache_counter = compile_cache.count_events(
                 compilation_cache_dir, f"{self.info.slice_name}-{rank}-{os.getpid()}")
+        if rank != 0:  # see wait_listening: saves ~1 s of every world's start
+            wait_listening(coordinator, t0 + timeout_s)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,
             process_id=rank,
-            initialization_timeout=int(max(1, timeout_s)),
+            initialization_timeout=int(max(1, t0 + timeout_s - time.monotonic())),
         )
         from jax.sharding import Mesh
 

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import random
+import socket
+import threading
+import time
 
 import pytest
 
-from pathways_ray.worker_env import ChipInfo, cpu_env, rank_order, tpu_multiprocess_env
+from pathways_ray.worker_env import (
+    ChipInfo,
+    cpu_env,
+    rank_order,
+    tpu_multiprocess_env,
+    wait_listening,
+)
 
 
 def info(worker_id, chip, pid=0):
@@ -69,3 +78,36 @@ def test_tpu_multiprocess_env_multislice():
     with pytest.raises(ValueError, match="slice_id=2"):
         tpu_multiprocess_env(rank=0, chip=0, process_addresses=addrs, slice_shape=(2, 2),
                              multislice=(2, 2, "10.0.0.0"))
+
+
+def test_wait_listening_returns_once_the_coordinator_listens():
+    """Ranks other than the coordinator's wait for its port (not for gRPC's 1 s
+    reconnect backoff): they go on as soon as it listens."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = socket.socket()
+
+    def listen_later():
+        time.sleep(0.3)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    threading.Thread(target=listen_later, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        wait_listening(f"127.0.0.1:{port}", t0 + 10)
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    assert 0.25 < took < 5
+
+
+def test_wait_listening_gives_up_at_its_deadline():
+    """Nobody listens: it returns at the deadline (JAX's own timeout then reports it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    t0 = time.monotonic()
+    wait_listening(f"[127.0.0.1]:{port}", t0 + 0.3)
+    assert 0.25 < time.monotonic() - t0 < 2
