@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,8 +64,10 @@ def _spawn(args: list[str], env: dict[str, str | None], tag: str,
     full_env = {**os.environ, **env, _procs.FLEET_ENV: _TAG}
     for key in ("RAY_ADDRESS", *(k for k, v in env.items() if v is None)):
         full_env.pop(key, None)
-    return subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL,
                             start_new_session=True)
+    proc.temp_dir = temp  # Ray's session logs: removed by _serve after a clean stop
+    return proc
 
 
 def _serve(procs: list[subprocess.Popen]) -> int:
@@ -86,6 +89,12 @@ def _serve(procs: list[subprocess.Popen]) -> int:
             break
         time.sleep(0.5)
     _procs.kill_all(_procs.FLEET_ENV, _TAG, [p.pid for p in procs], grace_s=5.0)
+    for p in procs:  # Ray's temp dirs (session logs): kept only for a post-mortem
+        if rc:
+            print(f"pathways-ray: Ray's logs of `ray start` {p.pid} are kept in {p.temp_dir}",
+                  file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(p.temp_dir, ignore_errors=True)
     return rc
 
 

@@ -172,12 +172,19 @@ def _job_processes(job_id: str) -> list[psutil.Process]:
     return found
 
 
+def _ray_temp_dirs() -> set[Path]:
+    """The Ray temp dirs (session logs) the node helpers made: pwr-head-*, pwr-v6e-*."""
+    tmp = Path(tempfile.gettempdir())
+    return {*tmp.glob("pwr-head-*"), *tmp.glob("pwr-v6e-*")}
+
+
 def _wait_until(cond, timeout_s: float, what: str):
     return wait_until(cond, timeout_s, what, every_s=1)
 
 
 def test_sbatch_runs_the_demo_training_to_completion(slurm):
     env, d = slurm
+    temp_before = _ray_temp_dirs()
     job_id, log = _job(env, d, steps=5)
     state = _wait_until(lambda: (s := _state(env, job_id)).get("JobState") in (
         "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, 420, "the job did not end")
@@ -187,6 +194,7 @@ def test_sbatch_runs_the_demo_training_to_completion(slurm):
     assert "succeeded" in text
     _wait_until(lambda: not _job_processes(job_id), 60, "Ray processes outlived the job")
     assert not any((d / "jobs").glob("*")), "the job's token was left behind"
+    assert not _ray_temp_dirs() - temp_before, "the node helpers left Ray's temp dirs behind"
 
 
 def test_scancel_mid_run_leaves_no_ray_process(slurm):
