@@ -25,7 +25,13 @@ from pathways_ray.errors import LeaseRevoked, RemoteError, SliceLost, WaitTimeou
 from pathways_ray.executor import Executor
 from pathways_ray.pull import Pull, PullFailed, Transfers
 from pathways_ray.pull import wait as wait_pulled
-from pathways_ray.worker_env import ChipInfo, cpu_env, tpu_multiprocess_env, wait_listening
+from pathways_ray.worker_env import (
+    ChipInfo,
+    cpu_env,
+    one_cpu_while,
+    tpu_multiprocess_env,
+    wait_listening,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +164,9 @@ class ChipWorker:
         )
         from jax.sharding import Mesh
 
+        if self.info.platform == "cpu":
+            with one_cpu_while():  # XLA's CPU client: one compute thread per chip
+                jax.devices()
         self.rank = rank
         self._mesh = Mesh(np.array(jax.devices()[start:start + count]), ("chips",))
         self.executor = Executor(rank, pieces=self._take_pieces, give=self._give)

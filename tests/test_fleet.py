@@ -116,6 +116,21 @@ def test_all_reduce_per_slice(slices):
         np.testing.assert_array_equal(g, np.arange(4) * 28)
 
 
+def test_each_chip_computes_on_one_xla_thread_and_every_cpu(slices):
+    """Emulated chips share the machine's cores: each chip's XLA CPU client has a
+    one-thread compute pool, and no thread is left pinned to one CPU by making it."""
+    cpus = os.sched_getaffinity(0)
+    for w in slices[0].workers:
+        tasks = f"/proc/{w.info.pid}/task"
+        names = {int(t): open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks)}
+        assert list(names.values()).count("tf_XLAEigen") == 1, sorted(names.values())
+        for tid in names:
+            try:
+                assert os.sched_getaffinity(tid) == cpus, (names[tid], os.sched_getaffinity(tid))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+
+
 def test_status_registry_sees_reserved_slices(slices):
     """Reserved slices are visible to other processes with their workers' health."""
     recs = {r["name"]: r for r in list_registered_slices()}

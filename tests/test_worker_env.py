@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -12,6 +13,7 @@ import pytest
 from pathways_ray.worker_env import (
     ChipInfo,
     cpu_env,
+    one_cpu_while,
     rank_order,
     tpu_multiprocess_env,
     wait_listening,
@@ -111,3 +113,21 @@ def test_wait_listening_gives_up_at_its_deadline():
     t0 = time.monotonic()
     wait_listening(f"[127.0.0.1]:{port}", t0 + 0.3)
     assert 0.25 < time.monotonic() - t0 < 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_one_cpu_while_gives_every_thread_its_cpus_back():
+    """Threads started inside inherit the one CPU (that is how XLA's pool gets one
+    thread); afterwards they, and the caller, have every CPU they had before."""
+    before = os.sched_getaffinity(0)
+    stop = threading.Event()
+    with one_cpu_while():
+        assert len(os.sched_getaffinity(0)) == 1
+        inside = threading.Thread(target=stop.wait, daemon=True)
+        inside.start()
+        assert len(os.sched_getaffinity(inside.native_id)) == 1
+    try:
+        assert os.sched_getaffinity(0) == before
+        assert os.sched_getaffinity(inside.native_id) == before
+    finally:
+        stop.set()
