@@ -61,8 +61,9 @@ def cpu_env(environ: Mapping[str, str], devices: int = 1) -> dict[str, str]:
         raise ValueError(f"devices={devices!r} must be a positive integer (chips owned)")
     flags = _DEVICE_COUNT_FLAG.sub("", environ.get("XLA_FLAGS", "")).split()
     flags.append(f"--xla_force_host_platform_device_count={devices}")
-    # Many emulated chips share the machine's cores: each chip computes on one thread
-    # instead of every chip spinning a pool as wide as the machine.
+    # Many emulated chips share the machine's cores: XLA's Eigen calls run on the
+    # calling thread. (The client's own intra-op pool is sized by CPU affinity, not by
+    # this flag: ChipWorker makes the client inside one_cpu_while.)
     if not any(f.startswith("--xla_cpu_multi_thread_eigen") for f in flags):
         flags.append("--xla_cpu_multi_thread_eigen=false")
     return {

@@ -222,8 +222,8 @@ def _ingress_log(fleet) -> list[str]:
     return [line for path in logs for line in path.read_text(errors="replace").splitlines()]
 
 
-def _wait_until(cond, timeout_s: float, what: str):
-    return wait_until(cond, timeout_s, what, every_s=1)
+def _wait_until(cond, timeout_s: float, what: str, detail=None):
+    return wait_until(cond, timeout_s, what, every_s=1, detail=detail)
 
 
 def test_two_named_apps_answer_at_once_and_deleting_one_keeps_the_other(endpoint, client):
@@ -254,8 +254,16 @@ def test_two_named_apps_answer_at_once_and_deleting_one_keeps_the_other(endpoint
     assert "small" in listed and "/small" in listed and "smollm2-1x1" in listed
     assert one_by_one in listed and listed.count("serving") == 2, listed
     assert "llm/smollm2 running" in _cli(fleet, "status")  # what each slice serves
-    figures = _cli(fleet, "serve", "metrics", "--window", "1")  # vLLM's, through Ray
-    assert "smollm2-1x1" in figures and "KV cache" in figures, figures
+    # vLLM's figures, through Ray: a replica's reach its node's metrics endpoint at
+    # Ray's next report (every 10 s), so the new app's may not be there yet.
+    shown = {}
+
+    def both_models_shown():
+        shown["figures"] = _cli(fleet, "serve", "metrics", "--window", "1")
+        return all(m in shown["figures"] for m in ("smollm2-1x1", "KV cache", f"{MODEL} "))
+
+    _wait_until(both_models_shown, 60, "`serve metrics` did not show both models",
+                detail=lambda: shown["figures"])
 
     assert "still serving: llm" in _cli(fleet, "serve", "delete", "small")
     assert "small" not in _apps()
