@@ -140,8 +140,8 @@ def wait_listening(address: str, deadline: float) -> None:
 
 @contextlib.contextmanager
 def one_cpu_while():
-    """Run the body with this thread allowed on one CPU, then give every thread of the
-    process back the CPUs it had (Linux; elsewhere a no-op).
+    """Run the body with this thread allowed on one CPU, then allow every thread of the
+    process the CPUs this thread had before (Linux; elsewhere a no-op).
 
     An emulated chip creates its XLA CPU client inside it: XLA sizes the client's
     intra-op thread pool by the creating thread's CPU affinity, and threads inherit it.
