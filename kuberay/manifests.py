@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from pathways_ray.config import CACHE_ENV
+from pathways_ray.host_plan import NODE_ENV
 from pathways_ray.topology import Topology
 
 from .schema import validate
@@ -182,7 +183,7 @@ CACHE_MOUNT = "/xla-cache"
 
 
 def _env(cfg: ClusterConfig, extra: dict[str, str] | None = None) -> list[dict]:
-    merged = {**cfg.env, **(extra or {})}
+    merged = {**NODE_ENV, **cfg.env, **(extra or {})}  # what every pathways-ray node has
     if cfg.compilation_cache:
         path = cfg.compilation_cache
         merged.setdefault(CACHE_ENV, CACHE_MOUNT if path.startswith("pvc:") else path)

@@ -33,7 +33,13 @@ from pathways_ray._fleet_state import (
 from pathways_ray.config import base_dir
 from pathways_ray.errors import FleetError
 from pathways_ray.fleet import Fleet, _ensure_connected
-from pathways_ray.host_plan import HEAD_SYSTEM_CONFIG, HostPlan, plan_hosts, ray_start_command
+from pathways_ray.host_plan import (
+    HEAD_SYSTEM_CONFIG,
+    NODE_ENV,
+    HostPlan,
+    plan_hosts,
+    ray_start_command,
+)
 from pathways_ray.topology import Topology
 
 __all__ = ["HostPlan", "LocalFleet", "cluster_or_local", "plan_hosts", "running_fleets",
@@ -336,6 +342,7 @@ class LocalFleet(Fleet):
         temp_dir = self.dir / tag
         temp_dir.mkdir(parents=True, exist_ok=True)
         env = {
+            **NODE_ENV,
             **os.environ,
             **_auth.auth_env(self.token_path),
             _procs.FLEET_ENV: self.fleet_id,

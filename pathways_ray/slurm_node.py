@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pathways_ray import _auth, _procs
 from pathways_ray._fleet_state import free_ports
-from pathways_ray.host_plan import HEAD_SYSTEM_CONFIG, plan_hosts, ray_start_command
+from pathways_ray.host_plan import HEAD_SYSTEM_CONFIG, NODE_ENV, plan_hosts, ray_start_command
 from pathways_ray.topology import Topology
 
 
@@ -61,7 +61,7 @@ def _spawn(args: list[str], env: dict[str, str | None], tag: str,
     removes a variable."""
     temp = Path(tempfile.mkdtemp(prefix=f"pwr-{tag}-"))
     cmd = ray_start_command(temp, object_store_mb, free_ports(4), [*args, "--block"])
-    full_env = {**os.environ, **env, _procs.FLEET_ENV: _TAG}
+    full_env = {**NODE_ENV, **os.environ, **env, _procs.FLEET_ENV: _TAG}
     for key in ("RAY_ADDRESS", *(k for k, v in env.items() if v is None)):
         full_env.pop(key, None)
     proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL,

@@ -63,18 +63,22 @@ def test_hosts_have_gke_tpu_resources_and_labels(fleet):
 
 
 def test_host_processes_see_gke_env(fleet):
-    """A task on a host sees TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY."""
+    """A task on a host sees TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY,
+    and the env every pathways-ray node has (Ray Serve's throughput settings)."""
+    from pathways_ray.host_plan import NODE_ENV
 
     @ray.remote(num_cpus=0, resources={"TPU-v6e-8-head": 0.001})
     def env():
         return {k: os.environ.get(k) for k in
-                ("TPU_NAME", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY")}
+                ("TPU_NAME", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY",
+                 *NODE_ENV)}
 
     got = ray.get(env.remote(), timeout=60)
     assert got["TPU_NAME"] in ("v6e-2x4-0", "v6e-2x4-1")
     assert got["TPU_WORKER_ID"] == "0"
     assert got["TPU_ACCELERATOR_TYPE"] == "v6e-8"
     assert got["TPU_TOPOLOGY"] == "2x4"
+    assert {k: got[k] for k in NODE_ENV} == NODE_ENV
 
 
 def test_fleet_view(fleet):

@@ -310,3 +310,21 @@ def test_job_entrypoint_runs_the_example_on_the_jobs_slices():
     args = ap.parse_args(cmd[2:])
     assert (slice_topology(args), args.slices) == (cfg.tpu, 2)
     assert cfg.tpu.num_hosts == 2
+
+
+def test_every_pod_runs_ray_serve_in_its_high_throughput_mode_unless_told_otherwise():
+    """Head and TPU worker pods get the env every pathways-ray node has (Ray Serve's
+    high-throughput mode, as on the emulated fleet); ``env=`` overrides a key."""
+    from pathways_ray.host_plan import NODE_ENV
+
+    def envs(m):
+        spec = m["spec"]
+        for pod in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            yield {e["name"]: e["value"] for e in pod["template"]["spec"]["containers"][0]["env"]}
+
+    cfg = dict(name="c", accelerator="v6e", topology="4x4")
+    for env in envs(ray_cluster(ClusterConfig(**cfg))):
+        assert {k: env[k] for k in NODE_ENV} == NODE_ENV
+    told = ray_cluster(ClusterConfig(**cfg, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}))
+    for env in envs(told):
+        assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
