@@ -17,6 +17,11 @@ threads spin while they wait, so this counts cores held, not work) and the servi
 path (all the rest: for ours, split into the HTTP proxy, the ingress, the LLM
 replica and Ray's own processes).
 
+Our fleet's nodes run Ray Serve in its high-throughput mode
+(``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: gRPC between deployments, user code on the
+replicas' main loops; ``pathways_ray.host_plan.NODE_ENV``); ``--serve-defaults``
+adds a run with Ray Serve's own defaults, for the comparison; ``--ha-proxy`` one
+with Ray Serve's HAProxy (C) in place of its Python HTTP proxy.
 ``--stream-batching-ms 200`` adds a run whose replica batches streamed tokens
 for 200 ms instead of Ray Serve LLM's 50 ms. ``--direct-streaming`` adds a
 run with Ray Serve LLM's experimental direct streaming
@@ -185,12 +190,28 @@ def run_vllm_serve(args, ckpt):
         proc.wait(timeout=60)
 
 
-def run_ray_serve(args, direct: bool = False, interval_ms: int | None = None):
+def run_ray_serve(args, direct: bool = False, interval_ms: int | None = None,
+                  env: dict[str, str] | None = None):
+    """One fleet and app; ``env`` is set for it (every process the fleet starts inherits
+    this environment, over the fleet's node env) and taken back after."""
+    env = dict(env or {})
     if direct:
         # Read when ray.serve.llm is imported (driver) and by every process the fleet
-        # starts (they inherit this environment), so set before both.
-        os.environ["RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"] = "1"
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        # starts, so set before both (run last: the driver's import stays).
+        env.update(RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING="1", RAY_SERVE_ENABLE_HA_PROXY="1")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return _run_ray_serve(args, direct, interval_ms)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_ray_serve(args, direct: bool, interval_ms: int | None):
     from pathways_ray import LocalFleet
     from pathways_ray.serve import llm_config, serve_llm, shutdown_llm
 
@@ -220,6 +241,12 @@ def main():
     ap.add_argument("--stream-batching-ms", type=int, default=None,
                     help="also measure a replica that batches streamed tokens this long "
                          "(Ray Serve LLM's default: 50)")
+    ap.add_argument("--serve-defaults", action="store_true",
+                    help="also measure Ray Serve's own defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED=0"
+                         "; the fleet's nodes set 1: pathways_ray.host_plan.NODE_ENV)")
+    ap.add_argument("--ha-proxy", action="store_true",
+                    help="also measure Ray Serve's HAProxy in place of its Python HTTP proxy "
+                         "(RAY_SERVE_ENABLE_HA_PROXY=1)")
     ap.add_argument("--direct-streaming", action="store_true",
                     help="also measure Ray Serve LLM's direct streaming (runs last)")
     args = ap.parse_args()
@@ -230,10 +257,18 @@ def main():
     ref = run_vllm_serve(args, ckpt)
     print("pathways-ray: Ray Serve LLM on an emulated v6e 2x2 slice:", flush=True)
     runs = {"Ray Serve LLM": run_ray_serve(args)}
+    if args.serve_defaults:
+        print("pathways-ray with Ray Serve's defaults (not its high-throughput mode):",
+              flush=True)
+        runs["... Ray Serve's defaults"] = run_ray_serve(
+            args, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"})
     if args.stream_batching_ms:
         ms = args.stream_batching_ms
         print(f"pathways-ray with {ms} ms stream batching:", flush=True)
         runs[f"... {ms} ms stream batching"] = run_ray_serve(args, interval_ms=ms)
+    if args.ha_proxy:
+        print("pathways-ray with HAProxy in front of the ingress:", flush=True)
+        runs["... HAProxy"] = run_ray_serve(args, env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
     if args.direct_streaming:
         print("pathways-ray: the same with direct streaming:", flush=True)
         runs["... direct streaming"] = run_ray_serve(args, direct=True)
