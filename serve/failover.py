@@ -82,6 +82,17 @@ class FailoverIngress(OpenAiIngress):
     """``OpenAiIngress`` that resends a request whose replica was lost before its
     first chunk, and ends a stream cut after it with an error event."""
 
+    def __init__(self, llm_deployments, model_cards, **kwargs):
+        # The handles to the LLM replicas were made by the process that built the app,
+        # with that process's transport (Ray Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT
+        # once, at import). The transport is the cluster's choice (the nodes' env,
+        # pathways_ray.host_plan.NODE_ENV: gRPC), so take this node's.
+        from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT
+
+        by_reference = not RAY_SERVE_USE_GRPC_BY_DEFAULT
+        super().__init__({model: handle.options(_by_reference=by_reference)
+                          for model, handle in llm_deployments.items()}, model_cards, **kwargs)
+
     async def _get_response(self, *, body, call_method, raw_request=None):
         retries = _setting(RETRIES_ENV, "3", int, "a whole number of retries, 0 or more")
         silence_s = _setting(SILENCE_ENV, "2", float, "a positive number of seconds")
