@@ -4,12 +4,13 @@ second that a replica died under a request, not when Ray declares its node dead
 Pure asyncio; no Ray.
 
 The replica wraps each response in :func:`with_keepalive`: a ``KEEPALIVE`` marker
-at once, then the response's own items, and another marker whenever ``interval_s``
-passes without one. The ingress reads it through :func:`until_silent`, which drops
-the markers and, once it has seen one (so a replica without keepalives is waited on
-as before), raises :class:`Silent` if ``silence_s`` passes with nothing at all
-before the first real item. After that item, a stream is read as it comes: tokens
-already reached the user, and a silent stream is ended by Ray's own detection.
+at once, and another whenever ``interval_s`` passes without one, until the
+response's first item; then the items as they come. The ingress reads it through
+:func:`until_silent`, which drops the markers and, once it has seen one (so a
+replica without keepalives is waited on as before), raises :class:`Silent` if
+``silence_s`` passes with nothing at all before the first real item. After that
+item, a stream is read as it comes: tokens already reached the user, and a silent
+stream is ended by Ray's own detection.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ async def with_keepalive(stream: AsyncIterator, interval_s: float) -> AsyncItera
             except StopAsyncIteration:
                 return
             yield item
-            pending = asyncio.ensure_future(it.__anext__())
+            break
+        # The response began: the ingress reads the rest as it comes (no marker is
+        # looked at any more), so the items pass straight through, without the task
+        # and timed wait per item (~14 us each).
+        async for item in it:
+            yield item
     finally:
         if not pending.done():
             pending.cancel()
