@@ -31,6 +31,10 @@ HEAD_SYSTEM_CONFIG = {
 #   0.6 vs 0.9-1.0, the replica 0.4 vs 0.6; with gRPC off and the rest on, no change
 #   (2.6). A replica lost under a gRPC call still raises RayActorError
 #   (ActorUnavailableError), which the failover ingress resends on.
+# - and the HTTP proxy's calls to the ingress over gRPC too: Ray 2.60 derives that
+#   setting from RAY_SERVE_USE_GRPC_BY_DEFAULT before the mode turns the latter on,
+#   so the mode alone leaves the proxy on actor calls (1.9 instead of 2.2, the proxy
+#   0.3 instead of 0.5);
 # - but the HTTP proxy stays: the mode's direct ingress binds every app's ingress
 #   to port 8000 of its node, one app per node, with no proxy in front;
 # - and a replica's log lines reach its log file when they are written: the mode
@@ -38,6 +42,7 @@ HEAD_SYSTEM_CONFIG = {
 #   the failover ingress's "sending it again" would sit unseen.
 NODE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
