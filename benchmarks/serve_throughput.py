@@ -98,6 +98,13 @@ async def _level(url, model, streams, rounds, max_tokens):
             "ttft_p90": ttfts[math.ceil(0.9 * len(ttfts)) - 1], "tokens": tokens, "wall": wall}
 
 
+# Ray Serve's own value of every setting the fleet's nodes change (NODE_ENV): the
+# node env is under the process env, so these put Ray's defaults back.
+SERVE_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_PROXY_USE_GRPC": "0",
+                  "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                  "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}
+
+
 KINDS = ("engine", "HTTP proxy", "ingress", "LLM replica", "Ray (raylets, GCS, agents)",
          "api server")
 
@@ -242,15 +249,20 @@ def main():
                     help="also measure a replica that batches streamed tokens this long "
                          "(Ray Serve LLM's default: 50)")
     ap.add_argument("--serve-defaults", action="store_true",
-                    help="also measure Ray Serve's own defaults (RAY_SERVE_THROUGHPUT_OPTIMIZED=0"
-                         "; the fleet's nodes set 1: pathways_ray.host_plan.NODE_ENV)")
+                    help="also measure Ray Serve's own defaults (the fleet's nodes change them: "
+                         "pathways_ray.host_plan.NODE_ENV)")
     ap.add_argument("--ha-proxy", action="store_true",
                     help="also measure Ray Serve's HAProxy in place of its Python HTTP proxy "
                          "(RAY_SERVE_ENABLE_HA_PROXY=1)")
     ap.add_argument("--direct-streaming", action="store_true",
                     help="also measure Ray Serve LLM's direct streaming (runs last)")
     args = ap.parse_args()
+    from pathways_ray.host_plan import NODE_ENV
     from pathways_ray.serve import smollm2_checkpoint
+
+    if set(SERVE_DEFAULTS) != set(NODE_ENV):
+        raise SystemExit(f"SERVE_DEFAULTS sets {sorted(SERVE_DEFAULTS)} and the nodes' env "
+                         f"{sorted(NODE_ENV)}: give every key of NODE_ENV Ray's default here")
 
     ckpt = smollm2_checkpoint()
     print("vLLM's own OpenAI server (one process tree, no Ray):", flush=True)
@@ -260,8 +272,7 @@ def main():
     if args.serve_defaults:
         print("pathways-ray with Ray Serve's defaults (not its high-throughput mode):",
               flush=True)
-        runs["... Ray Serve's defaults"] = run_ray_serve(
-            args, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"})
+        runs["... Ray Serve's defaults"] = run_ray_serve(args, env=SERVE_DEFAULTS)
     if args.stream_batching_ms:
         ms = args.stream_batching_ms
         print(f"pathways-ray with {ms} ms stream batching:", flush=True)
