@@ -8,6 +8,7 @@ a slice becomes a replica and waits for it with a deadline.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ from pathways_ray.errors import PathwaysError
 from pathways_ray.serve.plan import accelerator_type, llm_config_dict
 
 __all__ = [
+    "DIRECT_STREAMING_ENV",
     "cpu_engine_env",
     "detect_platform",
     "llm_config",
@@ -29,6 +31,18 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Ray Serve LLM's direct streaming: each LLM replica serves HTTP itself (vLLM's own
+#: OpenAI server in the replica) behind HAProxy, with no ingress hop. Set in the driver
+#: before Ray Serve LLM is imported and on every node (``LocalFleet`` takes it from the
+#: env it starts in, KubeRay from ``ClusterConfig.env``), over ``host_plan.NODE_ENV``'s
+#: ``RAY_SERVE_ENABLE_DIRECT_INGRESS=0``. Fewer CPU-s per token, but no failover
+#: ingress, one config per app and one app per cluster (each binds its replicas' port).
+DIRECT_STREAMING_ENV = {
+    "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+}
 
 
 def _serve_llm_module():
@@ -61,6 +75,7 @@ def cpu_engine_env() -> dict[str, str]:
     rpc.mkdir(parents=True, exist_ok=True)
     return {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CACHE_ROOT": str(root / "cache"),
         "VLLM_RPC_BASE_PATH": str(rpc),
@@ -124,11 +139,24 @@ def openai_app(*configs, failover: bool = True):
     and replica class (a request whose replica is lost before its first token is sent
     again, ~2 s after the loss; a stream cut after it ends with an error event) for
     every config that names no ``server_cls`` of its own; ``False``: Ray Serve LLM's
-    own ``OpenAiIngress`` and ``LLMServer``."""
+    own ``OpenAiIngress`` and ``LLMServer``, or, where its direct streaming is on
+    (:data:`DIRECT_STREAMING_ENV` in this process and on every node), its
+    ``LLMServer`` as the ingress behind HAProxy: one config, one app per cluster."""
     build_openai_app = _serve_llm_module().build_openai_app
 
     if not configs:
         raise ValueError("openai_app() needs at least one LLMConfig (see llm_config(...))")
+    if direct_streaming():
+        # The LLM replica is the ingress: vLLM's own HTTP server in the replica, HAProxy in
+        # front (RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_ENABLE_DIRECT_INGRESS=1 on the
+        # nodes); no ingress of ours to place, and none to send a request again.
+        if failover:
+            raise ValueError(
+                "failover=True needs pathways-ray's ingress, and Ray Serve LLM's direct "
+                "streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 in this process) makes "
+                "the replica the ingress; pass failover=False (a request on a lost replica "
+                "then fails instead of being sent again), or unset the variable")
+        return build_openai_app({"llm_configs": list(configs)})
     args: dict[str, Any] = {"llm_configs": list(configs),
                             "ingress_deployment_config": ingress_placement()}
     if failover:
@@ -138,6 +166,16 @@ def openai_app(*configs, failover: bool = True):
             update={"server_cls": KeepaliveLLMServer}) for c in configs]
         args["ingress_cls_config"] = {"ingress_cls": FailoverIngress}
     return build_openai_app(args)
+
+
+def direct_streaming() -> bool:
+    """Whether Ray Serve LLM builds direct-streaming apps in this process: its switch
+    (``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1``) is read once, when Ray Serve LLM is
+    first imported, so set it before."""
+    _serve_llm_module()
+    from ray.llm._internal.serve import constants
+
+    return bool(constants.RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING)
 
 
 def ingress_placement() -> dict[str, Any]:

@@ -84,6 +84,25 @@ def test_one_replica_per_slice_holding_all_its_chips(endpoint):
     assert ingress and not set(ingress) & set(fleet.node_ids.values()), ingress
 
 
+def test_the_cpu_engine_computes_on_every_core(endpoint):
+    """Ray gives an actor's processes OMP_NUM_THREADS=<its num_cpus>, 1 for a replica,
+    and vLLM keeps a value it finds set: the engine ran on one OpenMP thread where vLLM's
+    own server uses every core (0.6-0.75x its tokens/s, blamed on the serving path)."""
+    import psutil
+
+    from pathways_ray import _procs
+
+    fleet, _ = endpoint
+    engines = []
+    for p in _procs.find(_procs.FLEET_ENV, fleet.fleet_id):
+        try:
+            if p.name() == "VLLM::Worker":
+                engines.append(p.environ().get("OMP_NUM_THREADS"))
+        except psutil.Error:
+            continue
+    assert engines == [str(len(os.sched_getaffinity(0)))] * 2, engines
+
+
 def test_ray_serve_llm_reserves_a_multi_host_slice_whole(endpoint):
     """What a TPU replica's engine gets: Ray Serve LLM's own SlicePlacementGroup,
     made from our config for v6e 2x4 on 4-chip hosts (one bundle per host)."""
