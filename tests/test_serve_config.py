@@ -203,3 +203,41 @@ def test_node_init_is_skipped_only_for_a_local_model_directory(tmp_path, source,
     assert callback.ctx.run_init_node
     asyncio.run(callback.run_callback("on_before_node_init"))
     assert callback.ctx.run_init_node is not skip
+
+
+def test_direct_streaming_makes_the_replica_the_ingress_and_refuses_failover():
+    """Ray Serve LLM reads its direct-streaming switch once, at import: a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    from pathways_ray.serve.app import DIRECT_STREAMING_ENV
+
+    code = """if True:
+        from pathways_ray.serve import llm_config, openai_app
+        from pathways_ray.serve.app import direct_streaming
+        assert direct_streaming()
+        cfg = llm_config("m", topology="2x2", platform="cpu", model_source="/ckpt")
+        try:
+            openai_app(cfg)
+        except ValueError as e:
+            print("refused:", e)
+        app = openai_app(cfg, failover=False)
+        print("ingress:", app._bound_deployment.name)
+    """
+    env = {**os.environ, **DIRECT_STREAMING_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: failover=True needs pathways-ray's ingress" in out.stdout
+    assert "pass failover=False" in out.stdout
+    assert "ingress: LLMServer:m" in out.stdout
+
+
+def test_without_the_switch_the_app_keeps_its_own_ingress():
+    from pathways_ray.serve import llm_config, openai_app
+    from pathways_ray.serve.app import direct_streaming
+
+    assert not direct_streaming()
+    app = openai_app(llm_config("m", topology="2x2", platform="cpu", model_source="/ckpt"))
+    assert app._bound_deployment.name == "FailoverIngress"
