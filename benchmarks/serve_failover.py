@@ -9,6 +9,12 @@ host of slice 1 is killed, later restored. Prints, in one run:
 
     python benchmarks/serve_failover.py [--clients 8] [--streaming 2] [--phase-s 20]
     python benchmarks/serve_failover.py --plain   # Ray Serve LLM's own ingress
+    python benchmarks/serve_failover.py --direct-streaming   # replicas behind HAProxy
+
+``--direct-streaming``: Ray Serve LLM's direct streaming (each replica serves HTTP
+itself, behind HAProxy, which sends again a request whose replica closed without
+answering; ``pathways_ray.serve.DIRECT_STREAMING_ENV``). The script starts itself
+again with that env, which the driver and the fleet's nodes need from their start.
 """
 
 from __future__ import annotations
@@ -50,7 +56,19 @@ def main():
                     help="seconds of healthy, degraded and recovered load (default 20)")
     ap.add_argument("--plain", action="store_true",
                     help="Ray Serve LLM's own OpenAiIngress instead of FailoverIngress")
+    ap.add_argument("--direct-streaming", action="store_true",
+                    help="Ray Serve LLM's direct streaming: the replicas serve HTTP behind "
+                         "HAProxy, whose retries are the failover")
     args = ap.parse_args()
+    if args.direct_streaming:
+        import os
+        import sys
+
+        from pathways_ray.serve.app import DIRECT_STREAMING_ENV
+
+        if any(os.environ.get(k) != v for k, v in DIRECT_STREAMING_ENV.items()):
+            os.execve(sys.executable, [sys.executable, *sys.argv],
+                      {**os.environ, **DIRECT_STREAMING_ENV})
 
     from pathways_ray import LocalFleet
     from pathways_ray.serve import llm_config, serve_llm, shutdown_llm

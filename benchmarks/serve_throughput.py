@@ -24,8 +24,8 @@ adds a run with Ray Serve's own defaults, for the comparison; ``--ha-proxy`` one
 with Ray Serve's HAProxy (C) in place of its Python HTTP proxy.
 ``--stream-batching-ms 200`` adds a run whose replica batches streamed tokens
 for 200 ms instead of Ray Serve LLM's 50 ms. ``--direct-streaming`` adds one with Ray
-Serve LLM's direct streaming (the LLM replica is the ingress, behind HAProxy; no
-failover ingress), in a fresh process: Ray Serve LLM reads its switch once, when first
+Serve LLM's direct streaming (the LLM replica is the ingress, behind HAProxy, whose
+retries are the failover), in a fresh process: Ray Serve LLM reads its switch once, when first
 imported, and the fleet's nodes need HAProxy and direct ingress from their start.
 
 Both engines compute on every core: Ray gives an actor's processes
@@ -244,7 +244,7 @@ def run_direct_streaming(args):
 RESULT = "RESULT "
 
 
-def _run_ray_serve(args, interval_ms: int | None, failover: bool = True):
+def _run_ray_serve(args, interval_ms: int | None):
     from pathways_ray import LocalFleet
     from pathways_ray.serve import llm_config, serve_llm, shutdown_llm
 
@@ -256,7 +256,7 @@ def _run_ray_serve(args, interval_ms: int | None, failover: bool = True):
         url = serve_llm(llm_config("smollm2", topology="2x2", platform="cpu",
                                    max_model_len=args.max_model_len,
                                    stream_batching_interval_ms=interval_ms),
-                        port=_free_port(), failover=failover)
+                        port=_free_port())
         print(f"  Ray Serve LLM app up in {time.monotonic() - t0:.0f}s", flush=True)
         try:
             return measure(url, "smollm2", args,
@@ -282,11 +282,11 @@ def main():
                          "(RAY_SERVE_ENABLE_HA_PROXY=1)")
     ap.add_argument("--direct-streaming", action="store_true",
                     help="also measure Ray Serve LLM's direct streaming (the replica is the "
-                         "ingress, behind HAProxy; no failover ingress), in a fresh process")
+                         "ingress, behind HAProxy), in a fresh process")
     ap.add_argument("--direct-streaming-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.direct_streaming_child:
-        print(RESULT + json.dumps(_run_ray_serve(args, None, failover=False)), flush=True)
+        print(RESULT + json.dumps(_run_ray_serve(args, None)), flush=True)
         return
     from pathways_ray.host_plan import NODE_ENV
     from pathways_ray.serve import smollm2_checkpoint
@@ -312,7 +312,7 @@ def main():
         print("pathways-ray with HAProxy in front of the ingress:", flush=True)
         runs["... HAProxy"] = run_ray_serve(args, env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
     if args.direct_streaming:
-        print("pathways-ray with Ray Serve LLM's direct streaming (failover=False):",
+        print("pathways-ray with Ray Serve LLM's direct streaming (replicas behind HAProxy):",
               flush=True)
         runs["... direct streaming"] = run_direct_streaming(args)
     for title, ours in runs.items():

@@ -36,12 +36,16 @@ logger = logging.getLogger(__name__)
 #: OpenAI server in the replica) behind HAProxy, with no ingress hop. Set in the driver
 #: before Ray Serve LLM is imported and on every node (``LocalFleet`` takes it from the
 #: env it starts in, KubeRay from ``ClusterConfig.env``), over ``host_plan.NODE_ENV``'s
-#: ``RAY_SERVE_ENABLE_DIRECT_INGRESS=0``. Fewer CPU-s per token, but no failover
-#: ingress, one config per app and one app per cluster (each binds its replicas' port).
+#: ``RAY_SERVE_ENABLE_DIRECT_INGRESS=0``. HAProxy sends a request again, to another
+#: replica, when its replica closed the connection without answering (the failover:
+#: a lost replica's non-streaming requests; a stream cut after its first token ends
+#: with the connection, not an error event). Fewer CPU-s per token than pathways-ray's
+#: failover ingress, but one config per app.
 DIRECT_STREAMING_ENV = {
     "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
 }
 
 
@@ -152,23 +156,25 @@ def openai_app(*configs, failover: bool = True):
     and replica class (a request whose replica is lost before its first token is sent
     again, ~2 s after the loss; a stream cut after it ends with an error event) for
     every config that names no ``server_cls`` of its own; ``False``: Ray Serve LLM's
-    own ``OpenAiIngress`` and ``LLMServer``, or, where its direct streaming is on
-    (:data:`DIRECT_STREAMING_ENV` in this process and on every node), its
-    ``LLMServer`` as the ingress behind HAProxy: one config, one app per cluster."""
+    own ``OpenAiIngress`` and ``LLMServer``. Where Ray Serve LLM's direct streaming
+    is on (:data:`DIRECT_STREAMING_ENV` in this process and on every node), its
+    ``LLMServer`` is the ingress, behind HAProxy, for one config; ``failover`` then
+    checks that HAProxy sends a lost replica's requests again."""
     build_openai_app = _serve_llm_module().build_openai_app
 
     if not configs:
         raise ValueError("openai_app() needs at least one LLMConfig (see llm_config(...))")
     if direct_streaming():
-        # The LLM replica is the ingress: vLLM's own HTTP server in the replica, HAProxy in
-        # front (RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_ENABLE_DIRECT_INGRESS=1 on the
-        # nodes); no ingress of ours to place, and none to send a request again.
-        if failover:
+        # The LLM replica is the ingress, behind HAProxy: no ingress of ours to place;
+        # HAProxy's retries are the failover.
+        retry_on = os.environ.get("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure").split()
+        if failover and "empty-response" not in retry_on:
             raise ValueError(
-                "failover=True needs pathways-ray's ingress, and Ray Serve LLM's direct "
-                "streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 in this process) makes "
-                "the replica the ingress; pass failover=False (a request on a lost replica "
-                "then fails instead of being sent again), or unset the variable")
+                f"failover=True with Ray Serve LLM's direct streaming needs HAProxy to send "
+                f"again a request whose replica closed without answering: "
+                f"RAY_SERVE_HAPROXY_RETRY_ON={' '.join(retry_on)!r} lacks 'empty-response'; "
+                f"start the driver and the nodes with pathways_ray.serve."
+                f"DIRECT_STREAMING_ENV, or pass failover=False")
         return build_openai_app({"llm_configs": list(configs)})
     args: dict[str, Any] = {"llm_configs": list(configs),
                             "ingress_deployment_config": ingress_placement()}

@@ -205,8 +205,8 @@ def test_node_init_is_skipped_only_for_a_local_model_directory(tmp_path, source,
     assert callback.ctx.run_init_node is not skip
 
 
-def test_direct_streaming_makes_the_replica_the_ingress_and_refuses_failover():
-    """Ray Serve LLM reads its direct-streaming switch once, at import: a fresh process."""
+def test_direct_streaming_makes_the_replica_the_ingress_with_haproxy_retries():
+    """Ray Serve LLM reads its direct-streaming switch once, at import: fresh processes."""
     import os
     import subprocess
     import sys
@@ -219,19 +219,23 @@ def test_direct_streaming_makes_the_replica_the_ingress_and_refuses_failover():
         assert direct_streaming()
         cfg = llm_config("m", topology="2x2", platform="cpu", model_source="/ckpt")
         try:
-            openai_app(cfg)
+            print("ingress:", openai_app(cfg)._bound_deployment.name)
         except ValueError as e:
             print("refused:", e)
-        app = openai_app(cfg, failover=False)
-        print("ingress:", app._bound_deployment.name)
+        print("plain:", openai_app(cfg, failover=False)._bound_deployment.name)
     """
-    env = {**os.environ, **DIRECT_STREAMING_ENV}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "refused: failover=True needs pathways-ray's ingress" in out.stdout
-    assert "pass failover=False" in out.stdout
-    assert "ingress: LLMServer:m" in out.stdout
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, **DIRECT_STREAMING_ENV, **env}, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    assert "ingress: LLMServer:m" in (out := run()) and "plain: LLMServer:m" in out
+    out = run(RAY_SERVE_HAPROXY_RETRY_ON="conn-failure")
+    assert "refused: failover=True with Ray Serve LLM's direct streaming" in out
+    assert "RAY_SERVE_HAPROXY_RETRY_ON='conn-failure' lacks 'empty-response'" in out
+    assert "plain: LLMServer:m" in out
 
 
 def test_without_the_switch_the_app_keeps_its_own_ingress():
