@@ -232,6 +232,16 @@ def test_a_dead_controller_raises_controller_died(fleet):
     x = client.device_put(np.ones((4, 4), np.float32), sh)
     x.block_until_ready()
     ray.kill(client._controller)
+    # ray.kill returns before the actor is gone (the kill goes through the GCS, a call
+    # straight to the actor): calls sent meanwhile are still answered.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get(client._controller.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the killed controller still answers after 30 s"
+        time.sleep(0.1)
     with pytest.raises(ControllerDied, match=r"pathways_ray.connect\(\)"):
         x.fetch()
     _all_free_within(30)  # the dead controller's placement groups, freed as the error says

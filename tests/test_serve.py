@@ -84,6 +84,38 @@ def test_one_replica_per_slice_holding_all_its_chips(endpoint):
     assert ingress and not set(ingress) & set(fleet.node_ids.values()), ingress
 
 
+def test_direct_streaming_makes_the_replica_the_ingress_with_haproxy_retries(endpoint):
+    """Ray Serve LLM reads its direct-streaming switch once, at import: fresh processes,
+    attached to the fleet (building an app asks Ray for the job's runtime env)."""
+    from pathways_ray.serve.app import DIRECT_STREAMING_ENV
+
+    fleet, _ = endpoint
+    code = """if True:
+        from pathways_ray.serve import llm_config, openai_app
+        from pathways_ray.serve.app import direct_streaming
+        assert direct_streaming()
+        cfg = llm_config("m", topology="2x2", platform="cpu", model_source="/ckpt")
+        try:
+            print("ingress:", openai_app(cfg)._bound_deployment.name)
+        except ValueError as e:
+            print("refused:", e)
+        print("plain:", openai_app(cfg, failover=False)._bound_deployment.name)
+    """
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, **fleet.env, **DIRECT_STREAMING_ENV, **env},
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    assert "ingress: LLMServer:m" in (out := run()) and "plain: LLMServer:m" in out
+    out = run(RAY_SERVE_HAPROXY_RETRY_ON="conn-failure")
+    assert "refused: failover=True with Ray Serve LLM's direct streaming" in out
+    assert "RAY_SERVE_HAPROXY_RETRY_ON='conn-failure' lacks 'empty-response'" in out
+    assert "plain: LLMServer:m" in out
+
+
 def test_ray_serve_llm_reserves_a_multi_host_slice_whole(endpoint):
     """What a TPU replica's engine gets: Ray Serve LLM's own SlicePlacementGroup,
     made from our config for v6e 2x4 on 4-chip hosts (one bundle per host)."""

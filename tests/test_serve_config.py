@@ -205,48 +205,6 @@ def test_node_init_is_skipped_only_for_a_local_model_directory(tmp_path, source,
     assert callback.ctx.run_init_node is not skip
 
 
-def test_direct_streaming_makes_the_replica_the_ingress_with_haproxy_retries():
-    """Ray Serve LLM reads its direct-streaming switch once, at import: fresh processes."""
-    import os
-    import subprocess
-    import sys
-
-    from pathways_ray.serve.app import DIRECT_STREAMING_ENV
-
-    code = """if True:
-        from pathways_ray.serve import llm_config, openai_app
-        from pathways_ray.serve.app import direct_streaming
-        assert direct_streaming()
-        cfg = llm_config("m", topology="2x2", platform="cpu", model_source="/ckpt")
-        try:
-            print("ingress:", openai_app(cfg)._bound_deployment.name)
-        except ValueError as e:
-            print("refused:", e)
-        print("plain:", openai_app(cfg, failover=False)._bound_deployment.name)
-    """
-
-    def run(**env):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env={**os.environ, **DIRECT_STREAMING_ENV, **env}, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
-
-    assert "ingress: LLMServer:m" in (out := run()) and "plain: LLMServer:m" in out
-    out = run(RAY_SERVE_HAPROXY_RETRY_ON="conn-failure")
-    assert "refused: failover=True with Ray Serve LLM's direct streaming" in out
-    assert "RAY_SERVE_HAPROXY_RETRY_ON='conn-failure' lacks 'empty-response'" in out
-    assert "plain: LLMServer:m" in out
-
-
-def test_without_the_switch_the_app_keeps_its_own_ingress():
-    from pathways_ray.serve import llm_config, openai_app
-    from pathways_ray.serve.app import direct_streaming
-
-    assert not direct_streaming()
-    app = openai_app(llm_config("m", topology="2x2", platform="cpu", model_source="/ckpt"))
-    assert app._bound_deployment.name == "FailoverIngress"
-
-
 def test_the_emulated_engine_computes_on_its_share_of_the_cores():
     """Ray would give the replica's engine OMP_NUM_THREADS=1, which vLLM keeps."""
     import os
