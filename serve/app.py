@@ -17,6 +17,7 @@ import ray
 
 from pathways_ray.config import base_dir
 from pathways_ray.errors import PathwaysError
+from pathways_ray.serve.plan import _slices as replica_range
 from pathways_ray.serve.plan import accelerator_type, llm_config_dict
 
 __all__ = [
@@ -137,9 +138,8 @@ def llm_config(model: str, *, platform: str = "tpu", model_source: str | None = 
     from pathways_ray.serve.models import resolve_model
 
     model_id, bundled_source = resolve_model(model)
-    slices = plan.get("num_slices", 1)
-    most = slices[-1] if isinstance(slices, tuple) and slices else slices
-    env = (cpu_engine_env(most if isinstance(most, int) and most >= 1 else 1)
+    # The engines of the app's most replicas share this machine's cores.
+    env = (cpu_engine_env(replica_range(plan.get("num_slices", 1))[1])
            if platform == "cpu" else tpu_engine_env())
     env.update(env_vars or {})
     # A model in a local directory needs no per-node download tasks (serve/node_init.py).
