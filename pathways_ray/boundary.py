@@ -9,13 +9,16 @@ through ``get`` or ``wait`` here, with a deadline named in ``config.TIMEOUTS``
   remote side raised itself (unwrapped from Ray's ``RayTaskError``, as it was);
 - what ``died(exc)`` makes of a dead process, host or lost object: the caller
   knows whether that was the controller (``ControllerDied``), a chip worker of a
-  slice (``SliceLost``) or a lone worker (``WorkerDied``, the default).
+  slice (``SliceLost``) or a lone worker (``WorkerDied``, the default). That holds
+  when a live peer's error reached Ray first: a collective fails on every rank
+  once one rank's process is gone, and the death is the cause to report.
 
 Nothing else of ``ray.exceptions`` escapes these calls.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,13 +87,54 @@ def get(refs: Any, *, timeout: str | float, what: str, died: Died | None = None)
     import ray
 
     seconds, setting = deadline(timeout)
+    start = time.monotonic()
     try:
         return ray.get(refs, timeout=seconds)
     except ray.exceptions.GetTimeoutError:
         raise WaitTimeout(f"{what} did not finish within {seconds:g} s; a slower machine "
                           f"may need a longer {setting}") from None
     except ray.exceptions.RayError as e:
+        if died is not None and isinstance(refs, list) and len(refs) > 1 and not _death_in(e):
+            # A collective fails on the live ranks too when one rank's process dies
+            # ("connection closed by peer"), and Ray raises whichever error it saw first.
+            # The death is the cause; look for it among the others before blaming code.
+            grace = min(ECHO_GRACE_S, max(0.0, seconds - (time.monotonic() - start)))
+            death = _death_among(refs, grace)
+            if death is not None:
+                raise translate(death, what, died) from None
         raise translate(e, what, died) from None
+
+
+ECHO_GRACE_S = 10.0
+"""How long ``get`` waits for the other calls of a failed group to show a dead process
+before it reports the error it has as the cause."""
+
+
+def _death_in(e: BaseException) -> bool:
+    return is_death(e) or is_death(getattr(e, "cause", None) or e)
+
+
+def _death_among(refs: Sequence, seconds: float) -> BaseException | None:
+    """The first of ``refs`` to fail with a death (``is_death``, also as a task's cause)
+    within ``seconds``, or None; returns as soon as one does."""
+    import ray
+
+    end = time.monotonic() + seconds
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, fetch_local=False,
+                                  timeout=max(0.0, end - time.monotonic()))
+        if not ready:
+            return None
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayError as e:
+                if _death_in(e):
+                    return e
+            except Exception:  # noqa: BLE001 - a result that cannot be read: not a death
+                pass
+    return None
 
 
 def wait(refs: Sequence, *, timeout: str | float, what: str, fetch_local: bool = True) -> None:

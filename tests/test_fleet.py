@@ -165,6 +165,39 @@ def ray_slices():
     return cluster_slices()
 
 
+@ray.remote(num_cpus=0)
+class _Rank:
+    """One rank of a group whose peer may die: the survivors' collective fails with a
+    plain error ("connection closed by peer") as soon as the dead one's socket closes."""
+
+    def fail(self):
+        raise RuntimeError("Gloo all-reduce failed: Connection closed by peer")
+
+    def die(self, after_s):
+        import time
+
+        time.sleep(after_s)
+        os._exit(1)
+
+
+def test_a_peers_death_is_reported_not_the_survivors_echo_of_it(fleet):
+    """Ray raises the first error it sees; when a live rank's error comes before its
+    dead peer's, the death is still what the caller gets (it failed CI once as a bug)."""
+    from pathways_ray import boundary
+    from pathways_ray.errors import PathwaysError
+
+    survivor, doomed = _Rank.remote(), _Rank.remote()
+    refs = [survivor.fail.remote(), doomed.die.remote(1.0)]
+    with pytest.raises(WorkerDied, match="the peer died"):
+        boundary.get(refs, timeout=30, what="a test group",
+                     died=lambda e: WorkerDied(f"the peer died: {type(e).__name__}"))
+    # With no death among them, the error is reported as it is.
+    with pytest.raises(PathwaysError, match="RuntimeError"):
+        boundary.get([survivor.fail.remote(), survivor.fail.remote()], timeout=30,
+                     what="a test group", died=lambda e: WorkerDied("no"))
+    ray.kill(survivor)
+
+
 def test_removing_a_host_kills_exactly_its_workers(fleet, slices):
     """Killing one emulated host kills the 4 chip workers on it and no other worker."""
     a, b = slices
