@@ -30,6 +30,9 @@ __all__ = ["deadline", "death_summary", "failed_now", "get", "health", "is_death
 
 Died = Callable[[BaseException], PathwaysError]
 
+# What a remote side raised itself and the caller gets as it was.
+_OURS = (PathwaysError, RemoteError, ValueError, TypeError)
+
 
 def deadline(timeout: str | float) -> tuple[float, str]:
     """``(seconds, the setting that names them)`` for a ``config.TIMEOUTS`` name or a
@@ -69,7 +72,7 @@ def translate(e: BaseException, what: str, died: Died | None) -> BaseException:
 
     if isinstance(e, rex.RayTaskError) and not isinstance(e, rex.RayActorError):
         cause = e.cause
-        if isinstance(cause, (PathwaysError, RemoteError, ValueError, TypeError)):
+        if isinstance(cause, _OURS):
             return cause  # ours, or misuse the remote side found: as it was raised
         if cause is not None and is_death(cause):
             return (died or _lone_worker)(cause)
@@ -94,7 +97,7 @@ def get(refs: Any, *, timeout: str | float, what: str, died: Died | None = None)
         raise WaitTimeout(f"{what} did not finish within {seconds:g} s; a slower machine "
                           f"may need a longer {setting}") from None
     except ray.exceptions.RayError as e:
-        if died is not None and isinstance(refs, list) and len(refs) > 1 and not _death_in(e):
+        if died is not None and isinstance(refs, list) and len(refs) > 1 and _foreign(e):
             # A collective fails on the live ranks too when one rank's process dies
             # ("connection closed by peer"), and Ray raises whichever error it saw first.
             # The death is the cause; look for it among the others before blaming code.
@@ -108,6 +111,15 @@ def get(refs: Any, *, timeout: str | float, what: str, died: Died | None = None)
 ECHO_GRACE_S = 10.0
 """How long ``get`` waits for the other calls of a failed group to show a dead process
 before it reports the error it has as the cause."""
+
+
+def _foreign(e: BaseException) -> bool:
+    """An error raised by code on the remote side that is neither ours nor a death:
+    what ``translate`` would call a bug."""
+    import ray.exceptions as rex
+
+    return (isinstance(e, rex.RayTaskError) and not isinstance(e, rex.RayActorError)
+            and not isinstance(e.cause, _OURS) and not _death_in(e))
 
 
 def _death_in(e: BaseException) -> bool:
