@@ -320,7 +320,9 @@ def test_a_client_held_up_by_backpressure_still_sends_full_batches(client, mesh)
     finally:
         client._queue.max_batch = usual
     batches = stats(client, name)["workers"][0]["batches"] - before
-    assert steps / batch <= batches <= 1.15 * steps / batch + 2, batches
+    # 79 here on a quiet machine and 90 under CI's load (the background flush sends a
+    # part batch when the client is descheduled for 10 ms); 111 before the fix.
+    assert steps / batch <= batches <= 1.3 * steps / batch + 2, batches
 
 
 # ---- parity with one process on the same number of fake CPU devices -----------------
