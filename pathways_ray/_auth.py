@@ -34,14 +34,34 @@ def auth_env(token_path: Path) -> dict[str, str]:
     return {AUTH_MODE: "token", TOKEN_PATH: str(token_path)}
 
 
-def use_token(token_path: Path) -> None:
-    """Make this process authenticate with ``token_path`` from now on.
+def use_token(token_path: Path) -> dict[str, str | None]:
+    """Make this process authenticate with ``token_path`` until ``restore``; returns
+    the settings it replaced (for ``restore``).
 
     Ray reads its auth mode once, when it is imported, and caches the token, so
     both are refreshed here (the same steps Ray takes when it enables auth).
     """
+    previous = {k: os.environ.get(k) for k in (AUTH_MODE, TOKEN_PATH, TOKEN)}
     os.environ.pop(TOKEN, None)  # would take precedence over the path
     os.environ.update(auth_env(token_path))
+    _reload()
+    return previous
+
+
+def restore(previous: dict[str, str | None], token_path: Path) -> None:
+    """Put back what ``use_token(token_path)`` replaced, unless something has pointed
+    this process at another token since (a fleet started after it)."""
+    if os.environ.get(TOKEN_PATH) != str(token_path):
+        return
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _reload()
+
+
+def _reload() -> None:
     from ray._raylet import AuthenticationTokenLoader, Config
 
     Config.initialize("")

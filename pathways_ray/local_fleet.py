@@ -138,6 +138,7 @@ class LocalFleet(Fleet):
         self._ports_used: set[int] = set()
         self._port_pool: list[int] = []
         self._started = False
+        self._auth_before: dict[str, str | None] | None = None  # what use_token replaced
 
     @classmethod
     def running(cls, name: str | None = None) -> LocalFleet:
@@ -227,7 +228,7 @@ class LocalFleet(Fleet):
                                                     plan.start_args(self.address), env)))
             self._wait_started(procs, t0, progress=progress, offset=1, total=total)
             if self.connect:
-                _auth.use_token(self.token_path)
+                self._auth_before = _auth.use_token(self.token_path)
                 _ensure_connected(self.address, log_to_driver=self.log_to_driver)
                 self._wait_registered(t0)
         except BaseException:
@@ -252,6 +253,9 @@ class LocalFleet(Fleet):
             logger.exception("ray.shutdown() failed; stopping the processes anyway")
         stop_fleet_processes(self._state)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._auth_before is not None:  # a later process must not use a removed token
+            _auth.restore(self._auth_before, self.token_path)
+            self._auth_before = None
         try:
             atexit.unregister(self.shutdown)
         except Exception:  # noqa: BLE001

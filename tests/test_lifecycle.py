@@ -48,7 +48,7 @@ def test_cli_up_status_down_with_a_v5p_slice():
 
         from pathways_ray import Fleet, _auth
 
-        _auth.use_token(Path(state["token_path"]))
+        auth_before = _auth.use_token(Path(state["token_path"]))
         fleet = Fleet.attach(state["address"])
         try:
             (view,) = fleet.slices()
@@ -64,6 +64,7 @@ def test_cli_up_status_down_with_a_v5p_slice():
         finally:
             fleet.shutdown()
             assert not ray.is_initialized()
+            _auth.restore(auth_before, Path(state["token_path"]))
     finally:
         down = run_cli("down", "--name", "tcli")
     assert down.returncode == 0, down.stderr
@@ -74,8 +75,10 @@ def test_cli_up_status_down_with_a_v5p_slice():
 
 @pytest.mark.slow
 def test_context_exit_leaves_no_process_behind():
-    """Leaving the `with` block stops the raylets, agents, workers and chip actors."""
+    """Leaving the `with` block stops the raylets, agents, workers and chip actors, and
+    this process no longer points Ray at the fleet's removed token file."""
     before = ray_processes()
+    token_path = os.environ.get("RAY_AUTH_TOKEN_PATH")
     with LocalFleet(num_slices=1, accelerator="v6e", topology="2x2", name="tctx") as fleet:
         s = Slice.reserve("v6e-2x2", timeout_s=60)
         assert s.topology.is_single_host and s.num_chips == 4
@@ -83,8 +86,10 @@ def test_context_exit_leaves_no_process_behind():
         started = ray_processes() - before
         chip_pids = {w.info.pid for w in s.workers}
         assert chip_pids <= started and len(started) >= 4 + 6  # chips, head and host daemons
+        assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(fleet.token_path)
     assert leftovers(before) == []
     assert not fleet.dir.exists()
+    assert os.environ.get("RAY_AUTH_TOKEN_PATH") == token_path
 
 
 def _default_signals() -> None:
