@@ -35,10 +35,8 @@ def test_prefetcher_reads_ahead_and_answers_from_what_it_read():
     np.testing.assert_array_equal(p.get(HOST, 0, 1), np.full((2, 3), 1))
     time.sleep(0.3)  # steps 1 and 2 are read meanwhile
     assert {(1, 1), (2, 1)} <= set(p.inner.read)
-    t0 = time.monotonic()
     np.testing.assert_array_equal(p.get(HOST, 1, 1), np.full((2, 3), 11))
-    assert time.monotonic() - t0 < 0.04, "step 1 was ready"
-    assert (p.hits, p.misses) == (1, 1)
+    assert (p.hits, p.misses) == (1, 1), "step 1 was read ahead: answered from it"
     # Asked out of order (a survivor taking a lost slice's micro-batch): read on demand.
     np.testing.assert_array_equal(p.get(HOST, 5, 0), np.full((2, 3), 50))
     assert p.close() == {"hits": 1, "misses": 2}
