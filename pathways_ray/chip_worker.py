@@ -28,6 +28,7 @@ from pathways_ray.pull import wait as wait_pulled
 from pathways_ray.worker_env import (
     ChipInfo,
     cpu_env,
+    network_proxy_vars,
     one_cpu_while,
     tpu_multiprocess_env,
     wait_listening,
@@ -154,6 +155,8 @@ class ChipWorker:
                 _cache_writes_from_every_process()
             self._cache_counter = compile_cache.count_events(
                 compilation_cache_dir, f"{self.info.slice_name}-{rank}-{os.getpid()}")
+        if not network_proxy_vars(os.environ):  # JAX's warning would name Ray Serve's
+            jax.config.update("jax_check_proxy_envs", False)
         if rank != 0:  # see wait_listening: saves ~1 s of every world's start
             wait_listening(coordinator, t0 + timeout_s)
         jax.distributed.initialize(

@@ -13,8 +13,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ChipInfo", "cpu_env", "one_cpu_while", "rank_order", "tpu_multiprocess_env",
-           "wait_listening"]
+__all__ = ["ChipInfo", "cpu_env", "network_proxy_vars", "one_cpu_while", "rank_order",
+           "tpu_multiprocess_env", "wait_listening"]
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
@@ -116,6 +116,16 @@ def tpu_multiprocess_env(
                     "MEGASCALE_NUM_SLICES": str(num_slices),
                     "MEGASCALE_SLICE_ID": str(slice_id)})
     return env
+
+
+def network_proxy_vars(environ: Mapping[str, str]) -> list[str]:
+    """The variables that JAX's ``distributed.initialize`` warns about as proxies (any
+    name with ``_proxy``) that may really route its gRPC: not ``NO_PROXY`` (it only
+    exempts hosts) nor Ray Serve's own settings (``RAY_SERVE_PROXY_USE_GRPC`` on every
+    node is about Serve's HTTP proxy actor, and made every chip worker warn at every
+    world's start)."""
+    return sorted(k for k in environ if "_proxy" in k.lower() and k.lower() != "no_proxy"
+                  and not k.upper().startswith("RAY_SERVE_"))
 
 
 def wait_listening(address: str, deadline: float) -> None:

@@ -131,3 +131,11 @@ def test_one_cpu_while_gives_every_thread_its_cpus_back():
         assert os.sched_getaffinity(inside.native_id) == before
     finally:
         stop.set()
+
+
+def test_network_proxy_vars_leave_out_ray_serves_settings():
+    from pathways_ray.worker_env import network_proxy_vars
+
+    assert network_proxy_vars({"RAY_SERVE_PROXY_USE_GRPC": "1", "PATH": "/bin"}) == []
+    assert network_proxy_vars({"https_proxy": "http://p:3128", "NO_PROXY": "x",
+                               "RAY_SERVE_PROXY_USE_GRPC": "1"}) == ["https_proxy"]
