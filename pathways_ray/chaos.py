@@ -22,9 +22,18 @@ logger = logging.getLogger(__name__)
 def kill_host(fleet: LocalFleet, slice_name: str, worker_id: int,
               timeout_s: float = 30.0) -> str:
     """Kill one emulated host as a VM loss would: SIGKILL to its raylet and every
-    process on it, then wait until Ray marks the node dead. Returns its node id."""
+    process on it, then wait until Ray marks the node dead. Returns its node id.
+
+    Every process is stopped (SIGSTOP) before any is killed: a lost VM takes all of
+    them at once, so none may see another die and react (Ray's agents would publish
+    the raylet's last log lines to every driver as an unexpected crash)."""
     plan = fleet._plan(slice_name, worker_id)
     node_id = fleet.node_ids.get(plan.key, "")
+    for p in _procs.find(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key)):
+        try:
+            p.send_signal(_procs.signal.SIGSTOP)
+        except _procs.psutil.NoSuchProcess:
+            pass
     killed = _procs.kill_all(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key),
                              grace_s=0, sig=_procs.signal.SIGKILL)
     if not killed:

@@ -355,10 +355,10 @@ class LocalFleet(Fleet):
         }
         env.pop(_auth.TOKEN, None)
         env.pop("RAY_ADDRESS", None)
-        for key in ("TPU_NAME", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY",
+        for var in ("TPU_NAME", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY",
                     "TPU_WORKER_HOSTNAMES"):
-            if key not in extra_env:
-                env.pop(key, None)  # the head is not a TPU host
+            if var not in extra_env:
+                env.pop(var, None)  # the head is not a TPU host
         ports = [self._port_pool.pop() for _ in range(4)]
         cmd = ray_start_command(temp_dir, self.object_store_mb, ports, args)
         log_path = temp_dir / "ray-start.log"

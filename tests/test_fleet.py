@@ -202,9 +202,13 @@ def test_removing_a_host_kills_exactly_its_workers(fleet, slices):
     """Killing one emulated host kills the 4 chip workers on it and no other worker."""
     a, b = slices
     victim = b.name
+    key = f"{victim}/1"
+    on_host = " ".join(" ".join(p.cmdline()) for p in
+                       _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key)))
+    # Ray's agents carry no tag of ours: they are found by the host's session.
+    assert "DashboardAgent" in on_host and "RuntimeEnvAgent" in on_host, on_host
     node_id = fleet.remove_host(victim, 1)
     assert node_id == fleet.node_ids[f"{victim}/1"]
-    key = f"{victim}/1"
     assert _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key)) == [], (
         "the host's raylet and agents die with it")
     health = dict((w.rank, state) for w, state in b.health(timeout_s=10))
