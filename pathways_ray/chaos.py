@@ -29,11 +29,8 @@ def kill_host(fleet: LocalFleet, slice_name: str, worker_id: int,
     the raylet's last log lines to every driver as an unexpected crash)."""
     plan = fleet._plan(slice_name, worker_id)
     node_id = fleet.node_ids.get(plan.key, "")
-    for p in _procs.find(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key)):
-        try:
-            p.send_signal(_procs.signal.SIGSTOP)
-        except _procs.psutil.NoSuchProcess:
-            pass
+    _signal(_procs.find(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key)),
+            _procs.signal.SIGSTOP)
     killed = _procs.kill_all(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key),
                              grace_s=0, sig=_procs.signal.SIGKILL)
     if not killed:
@@ -55,12 +52,15 @@ def freeze_host(fleet: LocalFleet, slice_name: str, worker_id: int,
     procs = _procs.find(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key))
     if not procs:
         raise FleetError(f"host {plan.key} has no running processes")
-    sig = _procs.signal.SIGSTOP if frozen else _procs.signal.SIGCONT
+    _signal(procs, _procs.signal.SIGSTOP if frozen else _procs.signal.SIGCONT)
+    logger.warning("%s emulated host %s (%d processes)", "froze" if frozen else "thawed",
+                   plan.key, len(procs))
+    return len(procs)
+
+
+def _signal(procs: list, sig: int) -> None:
     for p in procs:
         try:
             p.send_signal(sig)
         except _procs.psutil.NoSuchProcess:
             pass
-    logger.warning("%s emulated host %s (%d processes)", "froze" if frozen else "thawed",
-                   plan.key, len(procs))
-    return len(procs)
