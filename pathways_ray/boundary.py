@@ -33,6 +33,10 @@ Died = Callable[[BaseException], PathwaysError]
 # What a remote side raised itself and the caller gets as it was.
 _OURS = (PathwaysError, RemoteError, ValueError, TypeError)
 
+ECHO_GRACE_S = 10.0
+"""How long ``get`` waits for the other calls of a failed group to show a dead process
+before it reports the error it has as the cause."""
+
 
 def deadline(timeout: str | float) -> tuple[float, str]:
     """``(seconds, the setting that names them)`` for a ``config.TIMEOUTS`` name or a
@@ -108,11 +112,6 @@ def get(refs: Any, *, timeout: str | float, what: str, died: Died | None = None)
         raise translate(e, what, died) from None
 
 
-ECHO_GRACE_S = 10.0
-"""How long ``get`` waits for the other calls of a failed group to show a dead process
-before it reports the error it has as the cause."""
-
-
 def _foreign(e: BaseException) -> bool:
     """An error raised by code on the remote side that is neither ours nor a death:
     what ``translate`` would call a bug."""
@@ -123,7 +122,8 @@ def _foreign(e: BaseException) -> bool:
 
 
 def _death_in(e: BaseException) -> bool:
-    return is_death(e) or is_death(getattr(e, "cause", None) or e)
+    """A death, or a task error caused by one."""
+    return is_death(e) or is_death(getattr(e, "cause", None))
 
 
 def _death_among(refs: Sequence, seconds: float) -> BaseException | None:

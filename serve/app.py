@@ -17,8 +17,7 @@ import ray
 
 from pathways_ray.config import base_dir
 from pathways_ray.errors import PathwaysError
-from pathways_ray.serve.plan import _slices as replica_range
-from pathways_ray.serve.plan import accelerator_type, llm_config_dict
+from pathways_ray.serve.plan import accelerator_type, llm_config_dict, replica_range
 
 __all__ = [
     "DIRECT_STREAMING_ENV",

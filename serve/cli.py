@@ -26,7 +26,7 @@ console = Console()
 
 
 def _slices(text: str) -> int | tuple[int, int]:
-    from pathways_ray.serve.plan import _slices as check
+    from pathways_ray.serve.plan import replica_range as check
 
     try:
         value = tuple(int(t) for t in text.split(":", 1)) if ":" in text else int(text)

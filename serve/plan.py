@@ -21,7 +21,7 @@ from typing import Any
 from pathways_ray.topology import Topology, generation
 
 __all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "accelerator_type", "llm_config_dict",
-           "openai_serve_config", "slice_topology"]
+           "openai_serve_config", "replica_range", "slice_topology"]
 
 PLATFORMS = ("tpu", "cpu")
 
@@ -55,7 +55,9 @@ def accelerator_type(accelerator: str) -> str:
         return slice_topology(accelerator, None).accelerator_type
 
 
-def _slices(num_slices: int | tuple[int, int]) -> tuple[int, int]:
+def replica_range(num_slices: int | tuple[int, int]) -> tuple[int, int]:
+    """``(min, max)`` replicas (one per slice) of ``num_slices``: a number or a pair;
+    a ``ValueError`` naming the argument otherwise."""
     if isinstance(num_slices, int) and not isinstance(num_slices, bool):
         lo = hi = num_slices
     elif (isinstance(num_slices, tuple) and len(num_slices) == 2
@@ -110,7 +112,7 @@ def llm_config_dict(
     if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1:
         raise ValueError(f"max_model_len={max_model_len!r} must be a positive whole number "
                          f"of tokens, e.g. 8192")
-    lo, hi = _slices(num_slices)
+    lo, hi = replica_range(num_slices)
     initial = max(lo, 1) if initial_slices is None else initial_slices
     if not isinstance(initial, int) or not lo <= initial <= hi:
         raise ValueError(f"initial_slices={initial_slices!r} must be within num_slices="
