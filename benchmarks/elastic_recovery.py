@@ -11,6 +11,9 @@ is restored. Prints, from one run on one fleet:
   Ray to mark the node dead, is not counted: the next step starts after it);
 - host back -> the first step on N slices again, and the longest step while the
   replacement was reserved and warmed up (the survivors' stall);
+- the CPU-seconds the new host's processes used to come back, against how busy
+  steady training keeps the machine's cores (the emulated hosts share them: a
+  new host competes with the training for the cores it starts on);
 - steps recomputed, and the largest loss difference from an uninterrupted run;
 - the steady step time before the failure, on N-1 and after growing back.
 
@@ -42,6 +45,7 @@ import statistics
 import time
 
 import numpy as np
+import psutil
 
 from pathways_ray import LocalFleet, connect
 from pathways_ray.data_parallel import DataParallelTrainer
@@ -58,15 +62,22 @@ def _trainer(client, cfg, **kw):
 def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=None,
              freeze: bool = False):
     """One run with a kill and a restore; returns its measurements."""
-    events, victim, losses = [], None, []
+    events, victim, losses, host_cpu = [], None, [], []
     client = connect()
+
+    def on_event(ev) -> None:
+        events.append(ev)
+        if ev.kind == "slice_added":  # before its first step: what coming back cost
+            host_cpu.append(fleet.host_cpu_s(victim, 0))
     try:
         trainer = _trainer(client, cfg, min_slices=2, grow=True, grow_check_s=0.5,
-                           on_elastic_event=events.append)
+                           on_elastic_event=on_event)
         victim = trainer.live[1]
         step_s, t_back, back_s = [], None, None
-        recover_s = None
+        recover_s, cpu = None, {}
         for i, batch in enumerate(batches):
+            if i in (2, kill_at):  # the machine's CPU use in steady training, 3 slices
+                cpu[i] = psutil.cpu_times()
             if i == kill_at:
                 t_fail = time.monotonic()
                 if freeze:
@@ -102,6 +113,8 @@ def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=Non
             "reserved_s": at["slice_joining"] - wall_back if "slice_joining" in at else None,
             "warm_s": (at["slice_added"] - at["slice_joining"]
                        if {"slice_joining", "slice_added"} <= at.keys() else None),
+            "host_cpu_s": host_cpu[0] if host_cpu else None,
+            "busy": _busy(cpu.get(2), cpu.get(kill_at)),
             "recomputed": kinds.count("step_retried"),
             "before_s": statistics.median(step_s[2:kill_at]),
             "degraded_s": statistics.median(step_s[kill_at + 1:kill_at + restore_after]),
@@ -120,6 +133,15 @@ def run_once(fleet, cfg, batches, kill_at: int, restore_after: int, expected=Non
                 fleet.restore_host(victim, 0)
             except Exception:  # noqa: BLE001 - it may never have been killed
                 pass
+
+
+def _busy(before, after) -> float | None:
+    """The fraction of the machine's cores busy between two ``psutil.cpu_times()``."""
+    if before is None or after is None:
+        return None
+    spent = {k: getattr(after, k) - getattr(before, k) for k in after._fields}
+    idle = spent["idle"] + spent.get("iowait", 0.0)
+    return 1.0 - idle / max(sum(spent.values()), 1e-9)
 
 
 def snapshot_overhead(cfg, batches, steps: int, rounds: int = 3) -> dict:
@@ -312,6 +334,12 @@ def main() -> None:
             print(f"  host back -> training on 3 slices      {m['back_s']:7.2f} s")
             print(f"    of which: reserved, 4 workers up    {m['reserved_s']:7.2f} s; "
                   f"programs loaded and warm {m['warm_s']:.2f} s")
+            cores = psutil.cpu_count()
+            busy = "" if m["busy"] is None else f", which steady training kept " \
+                f"{100 * m['busy']:.0f}% busy"
+            print(f"    the new host used {m['host_cpu_s']:.1f} CPU-s to come back (raylet, "
+                  f"Ray's agents, 4 chip workers, programs): {m['host_cpu_s'] / cores:.1f} s "
+                  f"of all {cores} cores{busy}")
             print(f"  longest step while growing back        {m['stall_s']:7.2f} s "
                   f"(steady step {m['before_s']:.3f} s)")
         print(f"  steps recomputed                       {m['recomputed']:7d}")

@@ -322,6 +322,21 @@ class LocalFleet(Fleet):
             self._wait_registered(time.monotonic(), timeout_s=timeout_s)
         return self.node_ids.get(plan.key, "")
 
+    def host_cpu_s(self, slice_name: str, worker_id: int) -> float:
+        """CPU-seconds used so far by the live processes of one emulated host (its
+        raylet, Ray's agents, its workers): what the host costs this machine's cores."""
+        import psutil
+
+        plan = self._plan(slice_name, worker_id)
+        total = 0.0
+        for proc in _procs.find(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key)):
+            try:
+                t = proc.cpu_times()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            total += t.user + t.system
+        return total
+
     # ---- internals ------------------------------------------------------------------
     def _plan(self, slice_name: str, worker_id: int) -> HostPlan:
         for plan in self.hosts:

@@ -207,10 +207,13 @@ def test_removing_a_host_kills_exactly_its_workers(fleet, slices):
                        _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key)))
     # Ray's agents carry no tag of ours: they are found by the host's session.
     assert "DashboardAgent" in on_host and "RuntimeEnvAgent" in on_host, on_host
+    # A live host's processes have used CPU (a Python interpreter's start alone does).
+    assert fleet.host_cpu_s(victim, 1) > 0.5
     node_id = fleet.remove_host(victim, 1)
     assert node_id == fleet.node_ids[f"{victim}/1"]
     assert _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key)) == [], (
         "the host's raylet and agents die with it")
+    assert fleet.host_cpu_s(victim, 1) == 0.0  # nothing of it left to count
     health = dict((w.rank, state) for w, state in b.health(timeout_s=10))
     assert [health[r] for r in range(4)] == ["ok"] * 4
     assert [health[r] for r in range(4, 8)] == ["dead"] * 4
