@@ -8,8 +8,12 @@ For each step time, the same dependent chain z = step(z) runs K times:
 - single controller: the client issues K calls through the controller
   (batched, asynchronous), then waits for the last result.
 Prints steps/s of both, their ratio (the median over back-to-back pairs, with
-its range), and the client + controller CPU time per step (the dispatch cost,
-including what Ray's background threads in both use meanwhile).
+its range), and the dispatch cost per step: the client's + controller's CPU time
+(including what Ray's background threads in both use meanwhile), the chip
+workers' CPU time beyond what the same steps cost them multi-controller (taking
+commands, relaying them, acks), and the two as a share of the cores' time per
+step. Here the chips compute on the same cores the dispatch runs on, so that
+share comes straight off the ratio; on TPU hosts the chips compute off the CPU.
 Targets: ratio >= 0.9 at 2 ms, >= 0.97 at 20 ms.
 """
 
@@ -63,9 +67,15 @@ def main() -> None:
         def cpu_s() -> float:
             return sum(t.user + t.system for t in (me.cpu_times(), ctl_proc.cpu_times()))
         name = client.slices[0].name
+        chips = [psutil.Process(p) for p in ray.get(ctl.worker_pids.remote(name))]
+
+        def chip_cpu_s() -> float:
+            return sum(t.user + t.system for t in (c.cpu_times() for c in chips))
         mesh = client.mesh((4,), ("chips",))
         sharding = NamedSharding(mesh, P("chips"))
         z0 = client.device_put(np.ones((4 * 8, DIM), np.float32), sharding)
+
+        chip_cost, chip_cost_single = [], []
 
         def multi(fn, k):
             """Wall time at the client for every worker to run k steps itself."""
@@ -73,20 +83,24 @@ def main() -> None:
             compiled(z0).block_until_ready()  # load + compile everywhere
             fp = compiled.program.fingerprint
             ray.get(ray.get(ctl.repeat.remote(name, fp, z0._id, 3)))  # warm-up
+            chip0 = chip_cpu_s()
             t0 = time.perf_counter()
             ray.get(ray.get(ctl.repeat.remote(name, fp, z0._id, k)))
-            return time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            chip_cost.append((chip_cpu_s() - chip0) / k)
+            return dt
 
         def single(fn, k):
             """Wall time at the client for k steps dispatched through the controller."""
             z = fn(fn(fn(z0)))  # warm-up
             z.block_until_ready()
-            cpu0 = cpu_s()
+            cpu0, chip0 = cpu_s(), chip_cpu_s()
             t0 = time.perf_counter()
             for _ in range(k):
                 z = fn(z)
             z.block_until_ready()
             dt = time.perf_counter() - t0
+            chip_cost_single.append((chip_cpu_s() - chip0) / k)
             return dt, (cpu_s() - cpu0) / k
 
         # Calibrate: the time of one inner iteration, from steps of ~10 ms (after warm-up),
@@ -105,7 +119,7 @@ def main() -> None:
               f"{base * 1e3:.2f} ms + {unit_ms * 1e3:.1f} us per inner iteration; "
               f"K steps = ~{args.seconds:g} s of work per run, median of {args.reps}")
         print(f"{'step':>8} {'multi-ctrl':>12} {'controller':>12} {'ratio':>7} "
-              f"{'(range)':>13} {'dispatch CPU/step':>18}")
+              f"{'(range)':>13} {'client+ctl CPU':>14} {'chips CPU':>12} {'of cores':>9}")
         for target in args.targets_ms:
             n = max(1, round((target - base * 1e3) / unit_ms))
             fn = client.jit(make_step(n))
@@ -118,6 +132,8 @@ def main() -> None:
                 fn = client.jit(make_step(n))
             k = max(20, int(args.seconds * 1e3 / target))
             m_runs, s_runs, costs = [], [], []
+            chip_cost.clear()
+            chip_cost_single.clear()
             for rep in range(args.reps):  # alternate which mode goes first: less drift bias
                 if rep % 2:
                     dt, cost = single(fn, k)
@@ -131,9 +147,12 @@ def main() -> None:
             # pairs: this machine's speed drifts between pairs more than within one.
             ratios = sorted(a / b for a, b in zip(m_runs, s_runs, strict=True))
             m, s = statistics.median(m_runs), statistics.median(s_runs)
+            client_ctl = statistics.median(costs)
+            chips_more = statistics.median(chip_cost_single) - statistics.median(chip_cost)
+            share = (client_ctl + chips_more) / (psutil.cpu_count() * m / k)
             print(f"{m / k * 1e3:6.1f}ms {k / m:9.1f}/s {k / s:9.1f}/s "
                   f"{statistics.median(ratios):7.3f} {ratios[0]:6.2f}-{ratios[-1]:.2f} "
-                  f"{statistics.median(costs) * 1e3:15.3f} ms")
+                  f"{client_ctl * 1e3:10.3f} ms {chips_more * 1e3:+9.3f} ms {100 * share:8.1f}%")
         client.close()
 
 
