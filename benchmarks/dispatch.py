@@ -75,10 +75,9 @@ def main() -> None:
         sharding = NamedSharding(mesh, P("chips"))
         z0 = client.device_put(np.ones((4 * 8, DIM), np.float32), sharding)
 
-        chip_cost, chip_cost_single = [], []
-
         def multi(fn, k):
-            """Wall time at the client for every worker to run k steps itself."""
+            """Wall time at the client for every worker to run k steps itself, and the
+            chip workers' CPU time per step."""
             compiled = fn.lower(z0)
             compiled(z0).block_until_ready()  # load + compile everywhere
             fp = compiled.program.fingerprint
@@ -86,12 +85,11 @@ def main() -> None:
             chip0 = chip_cpu_s()
             t0 = time.perf_counter()
             ray.get(ray.get(ctl.repeat.remote(name, fp, z0._id, k)))
-            dt = time.perf_counter() - t0
-            chip_cost.append((chip_cpu_s() - chip0) / k)
-            return dt
+            return time.perf_counter() - t0, (chip_cpu_s() - chip0) / k
 
         def single(fn, k):
-            """Wall time at the client for k steps dispatched through the controller."""
+            """Wall time at the client for k steps dispatched through the controller, the
+            client's + controller's CPU time per step, and the chip workers'."""
             z = fn(fn(fn(z0)))  # warm-up
             z.block_until_ready()
             cpu0, chip0 = cpu_s(), chip_cpu_s()
@@ -100,17 +98,16 @@ def main() -> None:
                 z = fn(z)
             z.block_until_ready()
             dt = time.perf_counter() - t0
-            chip_cost_single.append((chip_cpu_s() - chip0) / k)
-            return dt, (cpu_s() - cpu0) / k
+            return dt, (cpu_s() - cpu0) / k, (chip_cpu_s() - chip0) / k
 
         # Calibrate: the time of one inner iteration, from steps of ~10 ms (after warm-up),
         # net of the per-step all-reduce measured with a 1-iteration step.
         base_fn = client.jit(make_step(1))
         multi(base_fn, 30)
-        base = multi(base_fn, 50) / 50
+        base = multi(base_fn, 50)[0] / 50
         iters = 16
         while True:
-            per = multi(client.jit(make_step(iters)), 20) / 20
+            per = multi(client.jit(make_step(iters)), 20)[0] / 20
             if per >= 0.010 or iters >= 1 << 16:
                 break
             iters *= 2
@@ -124,31 +121,32 @@ def main() -> None:
             n = max(1, round((target - base * 1e3) / unit_ms))
             fn = client.jit(make_step(n))
             probe = max(10, int(300 / target))
-            got = multi(fn, probe) / probe * 1e3
+            got = multi(fn, probe)[0] / probe * 1e3
             if abs(got - target) > 0.15 * target and got > base * 1e3:  # calibrate once more
                 # (bounded: one noisy probe must not throw the step far off)
                 factor = min(1.5, max(0.67, (target - base * 1e3) / (got - base * 1e3)))
                 n = max(1, round(n * factor))
                 fn = client.jit(make_step(n))
             k = max(20, int(args.seconds * 1e3 / target))
-            m_runs, s_runs, costs = [], [], []
-            chip_cost.clear()
-            chip_cost_single.clear()
+            m_runs, s_runs, costs, m_chips, s_chips = [], [], [], [], []
             for rep in range(args.reps):  # alternate which mode goes first: less drift bias
                 if rep % 2:
-                    dt, cost = single(fn, k)
-                    m_runs.append(multi(fn, k))
+                    dt, cost, s_chip = single(fn, k)
+                    m_dt, m_chip = multi(fn, k)
                 else:
-                    m_runs.append(multi(fn, k))
-                    dt, cost = single(fn, k)
+                    m_dt, m_chip = multi(fn, k)
+                    dt, cost, s_chip = single(fn, k)
+                m_runs.append(m_dt)
                 s_runs.append(dt)
                 costs.append(cost)
+                m_chips.append(m_chip)
+                s_chips.append(s_chip)
             # The ratio is taken within each back-to-back pair, then the median over
             # pairs: this machine's speed drifts between pairs more than within one.
             ratios = sorted(a / b for a, b in zip(m_runs, s_runs, strict=True))
             m, s = statistics.median(m_runs), statistics.median(s_runs)
             client_ctl = statistics.median(costs)
-            chips_more = statistics.median(chip_cost_single) - statistics.median(chip_cost)
+            chips_more = statistics.median(s_chips) - statistics.median(m_chips)
             share = (client_ctl + chips_more) / (psutil.cpu_count() * m / k)
             print(f"{m / k * 1e3:6.1f}ms {k / m:9.1f}/s {k / s:9.1f}/s "
                   f"{statistics.median(ratios):7.3f} {ratios[0]:6.2f}-{ratios[-1]:.2f} "
