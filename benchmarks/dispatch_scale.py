@@ -5,7 +5,7 @@ sent by the controller to every chip itself (the old path), side by side.
     python benchmarks/dispatch_scale.py [--sizes 4 64 512 4096] [--max-batch 1]
 
 Each size is one v5p slice (2x2x1, 4x4x4, 8x8x8, 16x16x16: 1 to 1,024 hosts of 4
-chips) of simulated chips (``pathways_ray.simulate``): real command stream servers
+chips) of simulated chips (``pathways_ray.emulation.simulate``): real command stream servers
 (same protocol, acks, heartbeats, backpressure and relays), no XLA, many per
 process. The client runs a dependent chain ``z = step(z)`` through the real
 client and controller; ``--max-batch 1`` (the default) sends every step as a
@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
-from pathways_ray.simulate import SimFleet
+from pathways_ray.emulation.simulate import SimFleet
 from pathways_ray.testing import DebugController
 
 SHAPES = {4: "v5p-2x2x1", 64: "v5p-4x4x4", 512: "v5p-8x8x8", 4096: "v5p-16x16x16"}

@@ -3,7 +3,7 @@
     python benchmarks/elastic_recovery.py [--steps 120] [--kill-at 20] [--chaos 0] [--freeze]
 
 Three emulated v6e 2x2 slices train the demo LM data parallel
-(``pathways_ray.data_parallel.DataParallelTrainer``). Before step ``--kill-at``
+(``pathways_ray.elastic.data_parallel.DataParallelTrainer``). Before step ``--kill-at``
 one host is killed for real (``LocalFleet.remove_host``); ten steps later it
 is restored. Prints, from one run on one fleet:
 
@@ -48,8 +48,8 @@ import numpy as np
 import psutil
 
 from pathways_ray import LocalFleet, connect
-from pathways_ray.data_parallel import DataParallelTrainer
 from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
+from pathways_ray.elastic.data_parallel import DataParallelTrainer
 
 BATCH = 24
 
@@ -146,7 +146,7 @@ def _busy(before, after) -> float | None:
 
 def snapshot_overhead(cfg, batches, steps: int, rounds: int = 3) -> dict:
     """Mean step time with snapshots off, every step and at the default interval."""
-    from pathways_ray.elastic_policy import DEFAULT_SNAPSHOT_EVERY
+    from pathways_ray.elastic.elastic_policy import DEFAULT_SNAPSHOT_EVERY
 
     modes = {"off": None, "every step": 1, f"every {DEFAULT_SNAPSHOT_EVERY}":
              DEFAULT_SNAPSHOT_EVERY}
@@ -166,7 +166,7 @@ def snapshot_overhead(cfg, batches, steps: int, rounds: int = 3) -> dict:
                     t0 = time.monotonic()
                     t._snapshot.wait()
                     times[k][-1] += time.monotonic() - t0
-        from pathways_ray import snapshot
+        from pathways_ray.elastic import snapshot
 
         kept = snapshot.latest_step(client)
     mean = {k: statistics.mean(v) for k, v in times.items()}
@@ -176,7 +176,7 @@ def snapshot_overhead(cfg, batches, steps: int, rounds: int = 3) -> dict:
 
 def wait_all_free(n: int, timeout_s: float = 120) -> None:
     """Until ``n`` slices are free again (a run's slices are released after it)."""
-    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.clusters.cluster import cluster_slices
 
     deadline = time.monotonic() + timeout_s
     while sum(v.idle for v in cluster_slices()) < n:
@@ -308,7 +308,7 @@ def main() -> None:
     ap.add_argument("--ray-train", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure Ray Train's restart from checkpoint (default on)")
     args = ap.parse_args()
-    from pathways_ray.cli import handle_sigterm_as_interrupt
+    from pathways_ray.cli.main import handle_sigterm_as_interrupt
 
     handle_sigterm_as_interrupt()  # a killed benchmark stops its fleet
     cfg = LMConfig(lr=0.2)

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from pathways_ray import LocalFleet, connect
-from pathways_ray.data_parallel import DataParallelTrainer
 from pathways_ray.demo.lm import LMConfig, init_params, loss_fn, param_specs
 from pathways_ray.demo.text import TextBatches, write_corpus
-from pathways_ray.feed import HostFeed
+from pathways_ray.elastic.data_parallel import DataParallelTrainer
+from pathways_ray.elastic.feed import HostFeed
 
 
 def _trainer(client, cfg, slices, **kw):

@@ -19,7 +19,7 @@ replica and Ray's own processes).
 
 Our fleet's nodes run Ray Serve in its high-throughput mode
 (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: gRPC between deployments, user code on the
-replicas' main loops; ``pathways_ray.host_plan.NODE_ENV``); ``--serve-defaults``
+replicas' main loops; ``pathways_ray.clusters.host_plan.NODE_ENV``); ``--serve-defaults``
 adds a run with Ray Serve's own defaults, for the comparison; ``--ha-proxy`` one
 with Ray Serve's HAProxy (C) in place of its Python HTTP proxy.
 ``--stream-batching-ms 200`` adds a run whose replica batches streamed tokens
@@ -276,7 +276,7 @@ def main():
                          "(Ray Serve LLM's default: 50)")
     ap.add_argument("--serve-defaults", action="store_true",
                     help="also measure Ray Serve's own defaults (the fleet's nodes change them: "
-                         "pathways_ray.host_plan.NODE_ENV)")
+                         "pathways_ray.clusters.host_plan.NODE_ENV)")
     ap.add_argument("--ha-proxy", action="store_true",
                     help="also measure Ray Serve's HAProxy in place of its Python HTTP proxy "
                          "(RAY_SERVE_ENABLE_HA_PROXY=1)")
@@ -288,7 +288,7 @@ def main():
     if args.direct_streaming_child:
         print(RESULT + json.dumps(_run_ray_serve(args, None)), flush=True)
         return
-    from pathways_ray.host_plan import NODE_ENV
+    from pathways_ray.clusters.host_plan import NODE_ENV
     from pathways_ray.serve import smollm2_checkpoint
 
     if set(SERVE_DEFAULTS) != set(NODE_ENV):

@@ -25,8 +25,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pathways_ray import LocalFleet, service
-from pathways_ray.client import connect
+from pathways_ray import LocalFleet
+from pathways_ray.client.client import connect
+from pathways_ray.service.service import service
 
 DIM = 128
 

@@ -5,7 +5,7 @@
 
 A text file on storage every host sees (written here first: a shared path on
 this machine, a bucket or a ReadWriteMany volume on GKE) is the dataset. Each
-slice's hosts run a sidecar (``pathways_ray.feed.HostFeed``) that reads their
+slice's hosts run a sidecar (``pathways_ray.elastic.feed.HostFeed``) that reads their
 rows of the micro-batch the slice computes, tokenizes them and hands them to
 their chips through the node's object store, two steps ahead of the training.
 The client sends programs and step numbers, never input bytes: the script
@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 
 import pathways_ray
-from pathways_ray.data_parallel import DataParallelTrainer
 from pathways_ray.demo.lm import LMConfig, init_params, loss_fn, param_specs
 from pathways_ray.demo.text import TextBatches, write_corpus
-from pathways_ray.feed import HostFeed
+from pathways_ray.elastic.data_parallel import DataParallelTrainer
+from pathways_ray.elastic.feed import HostFeed
 
 
 def main() -> None:

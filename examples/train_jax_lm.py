@@ -115,7 +115,7 @@ def train_loop(config: dict) -> None:
 
 def train_loop_single_controller(config: dict) -> None:
     """Single controller: runs once; the slices run the compiled steps."""
-    from pathways_ray.data_parallel import DataParallelTrainer
+    from pathways_ray.elastic.data_parallel import DataParallelTrainer
 
     client = get_client()
     cfg = LMConfig(lr=config["lr"])

@@ -1,6 +1,6 @@
 """pathways_ray.kuberay: KubeRay manifests for GKE TPU slices, and a client that submits them.
 
-Rendering needs only ``pathways_ray.topology`` and PyYAML; the client needs the
+Rendering needs only ``pathways_ray.clusters.topology`` and PyYAML; the client needs the
 ``kubernetes`` package (``pip install 'pathways-ray[kuberay]'``) and is imported
 from ``pathways_ray.kuberay.client``.
 """

@@ -1,6 +1,6 @@
 """RayCluster, RayJob and RayService manifests for GKE TPU node pools.
 
-Pure: needs only ``pathways_ray.topology`` and PyYAML, never a cluster.
+Pure: needs only ``pathways_ray.clusters.topology`` and PyYAML, never a cluster.
 Every generator checks its arguments before building anything (``ValueError``
 naming the field and the valid values) and validates the result against
 KubeRay's CRD schema before returning it.
@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
+from pathways_ray.clusters.host_plan import NODE_ENV
+from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import CACHE_ENV
-from pathways_ray.host_plan import NODE_ENV
-from pathways_ray.topology import Topology
 
 from .schema import validate
 

@@ -1,15 +1,16 @@
 """pathways-ray: a Pathways-style single-controller runtime for TPU fleets, on Ray.
 
 The names a user needs, loaded on first use (PEP 562): importing the package
-imports neither Ray nor JAX, so its pure modules (``pathways_ray.topology``,
+imports neither Ray nor JAX, so its pure modules (``pathways_ray.clusters.topology``,
 ``pathways_ray.errors``, ...) work where Ray is not installed. Everything else
-lives in its module (``pathways_ray.controller.Controller``, ...).
+lives in its module (``pathways_ray.controller.controller.Controller``, ...).
 """
 
 from __future__ import annotations
 
 import importlib
 
+from pathways_ray.clusters.topology import Topology
 from pathways_ray.errors import (
     ControllerDied,
     FleetError,
@@ -21,35 +22,34 @@ from pathways_ray.errors import (
     WaitTimeout,
     WorkerDied,
 )
-from pathways_ray.topology import Topology
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "connect": "pathways_ray.client",
-    "reshard": "pathways_ray.client",
-    "Client": "pathways_ray.client",
-    "RemoteArray": "pathways_ray.arrays",
-    "Fleet": "pathways_ray.fleet",
-    "LocalFleet": "pathways_ray.local_fleet",
-    "cluster_or_local": "pathways_ray.local_fleet",
-    "Slice": "pathways_ray.slice",
-    "Host": "pathways_ray.sidecar",
-    "HostArray": "pathways_ray.sidecar",
-    "HostFeed": "pathways_ray.feed",
+    "connect": "pathways_ray.client.client",
+    "reshard": "pathways_ray.client.client",
+    "Client": "pathways_ray.client.client",
+    "RemoteArray": "pathways_ray.client.arrays",
+    "Fleet": "pathways_ray.clusters.fleet",
+    "LocalFleet": "pathways_ray.emulation.local_fleet",
+    "cluster_or_local": "pathways_ray.emulation.local_fleet",
+    "Slice": "pathways_ray.chips.slice",
+    "Host": "pathways_ray.client.sidecar",
+    "HostArray": "pathways_ray.client.sidecar",
+    "HostFeed": "pathways_ray.elastic.feed",
 }
 # Names of earlier releases, still served from their modules; not in __all__.
 _MOVED = {
-    "ChipWorker": "pathways_ray.chip_worker",
-    "Compiled": "pathways_ray.jit",
-    "Controller": "pathways_ray.controller",
-    "Generation": "pathways_ray.topology",
-    "HostView": "pathways_ray.cluster",
-    "JitFunction": "pathways_ray.jit",
-    "Program": "pathways_ray.program",
-    "SliceView": "pathways_ray.cluster",
-    "SliceWorker": "pathways_ray.slice",
+    "ChipWorker": "pathways_ray.chips.chip_worker",
+    "Compiled": "pathways_ray.client.jit",
+    "Controller": "pathways_ray.controller.controller",
+    "Generation": "pathways_ray.clusters.topology",
+    "HostView": "pathways_ray.clusters.cluster",
+    "JitFunction": "pathways_ray.client.jit",
+    "Program": "pathways_ray.programs.program",
+    "SliceView": "pathways_ray.clusters.cluster",
+    "SliceWorker": "pathways_ray.chips.slice",
 }
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Finding and stopping the processes an emulated fleet started.
+"""Finding and stopping the processes an emulated fleet started, and the ports it takes.
 
 Each ``ray start`` is launched as the leader of a new session, so every
 process it starts — GCS, raylet, agents, Ray workers, chip actors — stays in
@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
+import socket
 import time
 from collections.abc import Collection
+from pathlib import Path
 
 import psutil
+
+from pathways_ray.errors import FleetError
 
 FLEET_ENV = "PATHWAYS_RAY_FLEET"
 HOST_ENV = "PATHWAYS_RAY_HOST"
@@ -108,3 +113,41 @@ def wait_gone(env_key: str, value: str, sessions: Collection[int] = (),
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int, exclude: Collection[int] = ()) -> list[int]:
+    """``n`` different free TCP ports, all reserved together.
+
+    Picked one by one with a bind-to-0 probe, two could come back equal (each is
+    released before the next probe) and Ray refuses to start ("port ... used by
+    other components"). Here every candidate stays bound until all ``n`` are
+    found, and they come from below the kernel's ephemeral range, which is where
+    Ray's own components get their OS-chosen ports, so those cannot take them
+    either. ``exclude`` holds ports already handed out to the same fleet.
+    """
+    low = min(_ephemeral_low(), 65536) - 1
+    candidates = list(set(range(max(1024, low - 12000), low)) - set(exclude))
+    random.shuffle(candidates)
+    held: list[socket.socket] = []
+    try:
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+            if len(held) == n:
+                return [h.getsockname()[1] for h in held]
+        raise FleetError(f"found only {len(held)} of {n} free TCP ports below {low}")
+    finally:
+        for h in held:
+            h.close()

@@ -14,8 +14,8 @@ import time
 from dataclasses import replace
 
 from pathways_ray import boundary
-from pathways_ray.chip_worker import ChipWorker
-from pathways_ray.controller import Controller
+from pathways_ray.chips.chip_worker import ChipWorker
+from pathways_ray.controller.controller import Controller
 
 __all__ = ["DebugChipWorker", "DebugController", "reshard_via_controller"]
 
@@ -56,7 +56,7 @@ class DebugController(Controller):
         """``transfer``, but the bytes come into this process and are put again."""
         import ray
 
-        from pathways_ray.sharding import transfer_plan
+        from pathways_ray.programs.sharding import transfer_plan
 
         sp = self._place(src)
         src_index, sources, needs = transfer_plan(put.shape, src_mesh, src_spec, put.mesh,
@@ -73,8 +73,8 @@ class DebugController(Controller):
 def reshard_via_controller(client, x, sharding, slice):
     """``client.reshard(x, sharding, slice)`` with the bytes routed through a
     ``DebugController`` (for benchmarks/reshard.py)."""
-    from pathways_ray.arrays import RemoteArray, spec_of
-    from pathways_ray.commands import Put
+    from pathways_ray.client.arrays import RemoteArray, spec_of
+    from pathways_ray.transport.commands import Put
 
     target = client.slice(slice)
     mesh, spec = spec_of(sharding, x.ndim)

@@ -109,7 +109,7 @@ def tpu_engine_env() -> dict[str, str]:
 
 def detect_platform(accelerator: str = "v6e", timeout_s: float = 60.0) -> str:
     """``"tpu"`` or ``"cpu"`` (emulated), asked of a TPU host of the connected cluster."""
-    from pathways_ray.chip_worker import detect_platform as on_host
+    from pathways_ray.chips.chip_worker import detect_platform as on_host
 
     accel = accelerator_type(accelerator)
     ref = ray.remote(on_host).options(
@@ -201,7 +201,7 @@ def ingress_placement() -> dict[str, Any]:
     every model's requests with it (Serve starts it again, elsewhere, seconds
     later). Any node without a TPU accelerator type label takes it: the head, or a
     CPU worker group on GKE."""
-    from pathways_ray.topology import GENERATIONS
+    from pathways_ray.clusters.topology import GENERATIONS
 
     tpus = ",".join(sorted({g.accelerator_type for g in GENERATIONS.values()}))
     return {"ray_actor_options": {"label_selector": {"ray.io/accelerator-type":

@@ -103,7 +103,7 @@ def cmd_serve(args) -> int:
                          "(`pathways-ray serve list` shows them)")
     from types import SimpleNamespace
 
-    from pathways_ray.cli import _connect_for_status
+    from pathways_ray.cli.main import _connect_for_status
 
     # --address, $RAY_ADDRESS, or the one local fleet running (--fleet-name picks one)
     with _connect_for_status(SimpleNamespace(address=args.address, name=args.fleet_name)):
@@ -149,7 +149,7 @@ def _metrics(window_s: float, watch: bool) -> int:
 
 
 def _run(args) -> int:
-    from pathways_ray.local_fleet import cluster_or_local
+    from pathways_ray.emulation.local_fleet import cluster_or_local
     from pathways_ray.serve.app import (
         _serve_llm_module,
         detect_platform,

@@ -86,7 +86,7 @@ class FailoverIngress(OpenAiIngress):
         # The handles to the LLM replicas were made by the process that built the app,
         # with that process's transport (Ray Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT
         # once, at import). The transport is the cluster's choice (the nodes' env,
-        # pathways_ray.host_plan.NODE_ENV: gRPC), so take this node's.
+        # pathways_ray.clusters.host_plan.NODE_ENV: gRPC), so take this node's.
         from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT
 
         by_reference = not RAY_SERVE_USE_GRPC_BY_DEFAULT

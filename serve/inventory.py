@@ -138,10 +138,17 @@ def served_apps() -> list[AppView]:
         return []
     from ray.serve.context import _get_global_client
 
-    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.clusters.cluster import cluster_slices
 
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
         return []
     hosts = {h.node_id: (s.name, h.worker_id) for s in cluster_slices() for h in s.hosts}
     return apps_from_details(client.get_serve_details(), hosts)
+
+
+def status_cells() -> dict[str, list[str]]:
+    """What each slice serves, for ``pathways-ray status`` (its ``pathways_ray.status``
+    entry point): one cell per replica."""
+    return {name: [replica_cell(r) for r in rs]
+            for name, rs in serving_by_slice(served_apps()).items()}

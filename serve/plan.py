@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pathways_ray.topology import Topology, generation
+from pathways_ray.clusters.topology import Topology, generation
 
 __all__ = ["ENGINE_ARG_DEFAULTS", "PLATFORMS", "accelerator_type", "llm_config_dict",
            "openai_serve_config", "replica_range", "slice_topology"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pathways_ray.executor import assemble
+from pathways_ray.chips.executor import assemble
 
 
 def test_one_exact_piece_is_used_as_is():

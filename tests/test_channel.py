@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pathways_ray.channel import ChannelServer, CommandChannel, dumps
 from pathways_ray.errors import WorkerDied
+from pathways_ray.transport.channel import ChannelServer, CommandChannel, dumps
 
 
 @pytest.fixture

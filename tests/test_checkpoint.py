@@ -1,4 +1,4 @@
-"""Checkpoints to storage (``pathways_ray.checkpoint``): Orbax checkpoints of RemoteArray
+"""Checkpoints to storage (``pathways_ray.storage.checkpoint``): Orbax checkpoints of RemoteArray
 pytrees, written by the chip workers, resumed by a new client on a fresh fleet."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pathways_ray import LocalFleet, connect
-from pathways_ray.data_parallel import DataParallelTrainer
 from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
+from pathways_ray.elastic.data_parallel import DataParallelTrainer
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_checkpoint_resumes_on_a_fresh_fleet_with_the_same_losses(tmp_path):
 
 def test_restore_names_a_missing_checkpoint(tmp_path):
     """A path with no checkpoint is named before anything is sent to a slice."""
-    from pathways_ray import checkpoint
+    from pathways_ray.storage import checkpoint
 
     with pytest.raises(FileNotFoundError, match="nowhere.*no checkpoint"):
         checkpoint.restore(None, tmp_path / "nowhere", None)
@@ -111,7 +111,7 @@ def test_restore_names_arrays_that_do_not_match(tmp_path):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pathways_ray import checkpoint
+    from pathways_ray.storage import checkpoint
 
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "c", {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathways_ray.cluster import describe_capacity, slices_from_nodes
+from pathways_ray.clusters.cluster import describe_capacity, slices_from_nodes
 
 
 def node(node_id, slice_name, worker_id, *, alive=True, chips=4, pod="v6e-8", topo="2x4"):
@@ -83,7 +83,7 @@ def test_hosts_answering_tells_a_dead_raylet_at_once():
     import socket
     import time
 
-    from pathways_ray.cluster import HostView, hosts_answering
+    from pathways_ray.clusters.cluster import HostView, hosts_answering
 
     listening = socket.create_server(("127.0.0.1", 0))
     closed = socket.create_server(("127.0.0.1", 0))

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pathways_ray import compile_cache
-from pathways_ray.cli import main
-from pathways_ray.compile_cache import HITS_EVENT, REQUESTS_EVENT, SAVED_EVENT, CacheCounts
+from pathways_ray.cli.main import main
+from pathways_ray.programs import compile_cache
+from pathways_ray.programs.compile_cache import HITS_EVENT, REQUESTS_EVENT, SAVED_EVENT, CacheCounts
 
 
 def _fake_cache(root):

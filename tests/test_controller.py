@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
-from pathways_ray.client import RemoteArray, connect, reshard
+from pathways_ray.client.client import RemoteArray, connect, reshard
 from pathways_ray.errors import RemoteError
 from pathways_ray.testing import DebugController
 
@@ -392,8 +392,8 @@ def test_lm_parity_with_single_process_run(client):
     """The demo's transformer LM, 20 steps data parallel across both slices (data x model
     within each) through the controller, matches one process on 8 fake CPU devices with
     the same global batches: loss per step within 1e-5 relative."""
-    from pathways_ray.data_parallel import DataParallelTrainer
     from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
+    from pathways_ray.elastic.data_parallel import DataParallelTrainer
 
     cfg = LMConfig(lr=0.2)
     text = MarkovText(cfg.vocab)
@@ -493,7 +493,7 @@ def test_persistent_compilation_cache(client, tmp_path):
     import sys
     from pathlib import Path
 
-    from pathways_ray import compile_cache
+    from pathways_ray.programs import compile_cache
     from tests.cache_program import run
 
     cache = str(tmp_path / "xla-cache")
@@ -510,12 +510,12 @@ def test_persistent_compilation_cache(client, tmp_path):
     warm = json.loads(line.removeprefix("COUNTERS "))
     assert len(warm) == 4 and all(w["hits"] >= 1 and w["misses"] == 0 for w in warm), warm
     assert compile_cache.summary(cache).entries == first.entries, "nothing compiled anew"
-    out = subprocess.run([sys.executable, "-m", "pathways_ray.cli", "cache", "clear",
+    out = subprocess.run([sys.executable, "-m", "pathways_ray.cli.main", "cache", "clear",
                           "--dir", cache], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and f"removed {first.entries} entries" in out.stdout, out
     again = run(cache)
     assert all(w["misses"] >= 1 and w["hits"] == 0 for w in again), again
-    status = subprocess.run([sys.executable, "-m", "pathways_ray.cli", "cache", "status",
+    status = subprocess.run([sys.executable, "-m", "pathways_ray.cli.main", "cache", "status",
                              "--dir", cache], capture_output=True, text=True, timeout=60)
     assert f"{sum(w['misses'] for w in again)} misses" in status.stdout, status.stdout
 

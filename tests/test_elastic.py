@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from pathways_ray import LocalFleet, RemoteError, connect
-from pathways_ray.data_parallel import DataParallelTrainer
 from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
-from pathways_ray.elastic_policy import NotEnoughSlices
+from pathways_ray.elastic.data_parallel import DataParallelTrainer
+from pathways_ray.elastic.elastic_policy import NotEnoughSlices
 
 pytestmark = pytest.mark.slow
 
@@ -189,7 +189,7 @@ def test_closing_while_a_replacement_is_reserved_releases_it(fleet):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.clusters.cluster import cluster_slices
     from pathways_ray.errors import SliceLost
 
     client = connect()
@@ -221,7 +221,7 @@ def test_losing_every_replica_resumes_from_the_host_memory_snapshot(fleet):
     (the fleet's free slice), restores the snapshot of step 3 onto it from host memory,
     runs steps 3 and 4 again from the batches it kept and goes on: no exception, and
     the losses of an uninterrupted one-slice run on another slice (rtol 1e-6)."""
-    from pathways_ray import snapshot
+    from pathways_ray.elastic import snapshot
 
     batches = _batches(CFG, 8)
     client = connect(slices=["v6e-2x2", "v6e-2x2"])  # the third slice stays free
@@ -278,7 +278,7 @@ def test_closing_with_a_frozen_slice_releases_the_others_in_time(fleet):
     to leave their JAX world) still releases every other slice, within the client's
     wait. Seen in the chaos loop: slices left one by one, 30 s each, outlasted it and a
     slice stayed held until the driver exited."""
-    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.clusters.cluster import cluster_slices
 
     client = connect()
     victim = client.slices[0].name

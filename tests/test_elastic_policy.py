@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pathways_ray.elastic_policy import (
+from pathways_ray.elastic.elastic_policy import (
     NotEnoughSlices,
     assign_microbatches,
     check_failure,
@@ -13,7 +13,7 @@ from pathways_ray.elastic_policy import (
     snapshot_due,
     want_more,
 )
-from pathways_ray.sharding import MeshShape, shard_slices, spread_shards
+from pathways_ray.programs.sharding import MeshShape, shard_slices, spread_shards
 
 
 def test_micro_batches_spread_round_robin_and_keep_their_count():

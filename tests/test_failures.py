@@ -253,7 +253,7 @@ def test_a_dead_controller_raises_controller_died(fleet):
 
 
 def _all_free_within(seconds: float) -> None:
-    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.clusters.cluster import cluster_slices
 
     deadline = time.monotonic() + seconds
     while not all(v.idle for v in cluster_slices()):
@@ -333,7 +333,7 @@ def test_a_simulated_pod_slice_relays_every_batch_and_a_lost_relay_is_named(flee
     import os
     import signal
 
-    from pathways_ray.simulate import SimFleet
+    from pathways_ray.emulation.simulate import SimFleet
 
     with SimFleet(["v5p-4x4x4"], processes=4) as sim:
         client = sim.connect(max_batch=1)
@@ -390,7 +390,7 @@ def test_pathways_ray_profile_records_a_whole_job(fleet, tmp_path):
         "print('RESULT', float(x.fetch()[0, 0]))\n"
         "client.close()\n")
     out = subprocess.run(
-        [sys.executable, "-m", "pathways_ray.cli", "profile", "--logdir", str(tmp_path / "p"),
+        [sys.executable, "-m", "pathways_ray.cli.main", "profile", "--logdir", str(tmp_path / "p"),
          "--", sys.executable, str(script)],
         env={**os.environ, **fleet.env, "COLUMNS": "300"}, capture_output=True, text=True,
         timeout=300)

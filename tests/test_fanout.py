@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pathways_ray.fanout import FANOUT_ENV, check_fanout, default_fanout, relay_tree
+from pathways_ray.transport.fanout import FANOUT_ENV, check_fanout, default_fanout, relay_tree
 
 
 def _depth(tree: dict[int, list[int]], root: int) -> int:

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from pathways_ray.feed import HostFeed, Prefetcher
-from pathways_ray.sharding import MeshShape, host_blocks, normalize_spec
-from pathways_ray.sidecar_host import Host, _cut, _Out
+from pathways_ray.chips.sidecar_host import Host, _cut, _Out
+from pathways_ray.elastic.feed import HostFeed, Prefetcher
+from pathways_ray.programs.sharding import MeshShape, host_blocks, normalize_spec
 
 
 class Slow:

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from pathways_ray import LocalFleet, ReservationTimeout, Slice, WorkerDied, _procs
-from pathways_ray.registry import list_registered_slices
+from pathways_ray.clusters.registry import list_registered_slices
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_hosts_have_gke_tpu_resources_and_labels(fleet):
 def test_host_processes_see_gke_env(fleet):
     """A task on a host sees TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY,
     and the env every pathways-ray node has (Ray Serve's throughput settings)."""
-    from pathways_ray.host_plan import NODE_ENV
+    from pathways_ray.clusters.host_plan import NODE_ENV
 
     @ray.remote(num_cpus=0, resources={"TPU-v6e-8-head": 0.001})
     def env():
@@ -160,7 +160,7 @@ def test_reservation_that_cannot_fit_times_out_clearly(slices):
 
 
 def ray_slices():
-    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.clusters.cluster import cluster_slices
 
     return cluster_slices()
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from pathways_ray.cli import main as cli_main
+from pathways_ray.cli.main import main as cli_main
 from pathways_ray.kuberay import ClusterConfig, SchemaError, ray_cluster, ray_job, to_yaml
 from pathways_ray.kuberay.client import (
     AlreadyExists,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pathways_ray.clusters.topology import Topology
 from pathways_ray.kuberay import (
     ClusterConfig,
     SchemaError,
@@ -21,7 +22,6 @@ from pathways_ray.kuberay import (
     validate,
 )
 from pathways_ray.kuberay.samples import SAMPLES, render
-from pathways_ray.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "kuberay"
@@ -315,7 +315,7 @@ def test_job_entrypoint_runs_the_example_on_the_jobs_slices():
 def test_every_pod_runs_ray_serve_in_its_high_throughput_mode_unless_told_otherwise():
     """Head and TPU worker pods get the env every pathways-ray node has (Ray Serve's
     high-throughput mode, as on the emulated fleet); ``env=`` overrides a key."""
-    from pathways_ray.host_plan import NODE_ENV
+    from pathways_ray.clusters.host_plan import NODE_ENV
 
     def envs(m):
         spec = m["spec"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pathways_ray.lease import LeaseBook, parse_request, render_status
-from pathways_ray.topology import Topology
+from pathways_ray.clusters.topology import Topology
+from pathways_ray.service.lease import LeaseBook, parse_request, render_status
 
 V6E_2X2 = Topology.parse("v6e", "2x2")
 V6E_2X4 = Topology.parse("v6e", "2x4")

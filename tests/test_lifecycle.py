@@ -20,7 +20,7 @@ import pytest
 from pathways_ray import LocalFleet, Slice
 from tests.conftest import leftovers, ray_processes
 
-CLI = [sys.executable, "-m", "pathways_ray.cli"]
+CLI = [sys.executable, "-m", "pathways_ray.cli.main"]
 
 
 def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -103,7 +103,7 @@ def _default_signals() -> None:
 def _stop_if_left(name: str) -> None:
     """Stop fleet ``name`` if a failed test left it running, before pytest removes the
     directory its state file lives in."""
-    from pathways_ray.local_fleet import running_fleets, stop_local_fleet
+    from pathways_ray.emulation.local_fleet import running_fleets, stop_local_fleet
 
     if any(f.name == name for f in running_fleets()):
         stop_local_fleet(name)
@@ -176,7 +176,7 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     """A fleet's ports are reserved together (never the same one twice), below the range
     the kernel hands out for port 0 (where Ray's own components bind), and never one
     the fleet already took."""
-    from pathways_ray._fleet_state import _ephemeral_low, free_ports
+    from pathways_ray._procs import _ephemeral_low, free_ports
 
     first = free_ports(30)
     assert len(set(first)) == 30 and max(first) < _ephemeral_low()
@@ -219,7 +219,7 @@ def test_down_with_nothing_running():
 
 def test_cli_topology_defaults():
     """A generation alone defaults to 2x4; a pod type implies its own shape."""
-    from pathways_ray.cli import _topology, build_parser
+    from pathways_ray.cli.main import _topology, build_parser
 
     parse = build_parser().parse_args
     assert _topology(parse(["up"])).name == "2x4"
@@ -263,7 +263,7 @@ def test_cli_chaos_against_a_running_fleet():
 
         freeze = run_cli("chaos", "freeze-host", "v6e-2x2-0", "--name", "tchaos")
         assert freeze.returncode == 0, freeze.stderr
-        from pathways_ray.local_fleet import LocalFleet
+        from pathways_ray.emulation.local_fleet import LocalFleet
 
         fleet = LocalFleet.running("tchaos")
         procs = _procs.find(_procs.HOST_ENV, "v6e-2x2-0/0", fleet._host_sessions("v6e-2x2-0/0"))

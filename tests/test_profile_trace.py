@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from pathways_ray.profile_trace import (
+from pathways_ray.observability.profile_trace import (
     Event,
     Track,
     clock_offset,

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from pathways_ray.pull import Pull, Transfers, new_id, wait
+from pathways_ray.transport.pull import Pull, Transfers, new_id, wait
 
 
 @pytest.fixture(scope="module")

@@ -234,7 +234,7 @@ def test_bad_chat_request_is_400(client):
 
 def _cli(fleet, *argv) -> str:
     """`pathways-ray ...` in a process of its own, attached to the module's fleet."""
-    out = subprocess.run([sys.executable, "-m", "pathways_ray.cli", *argv],
+    out = subprocess.run([sys.executable, "-m", "pathways_ray.cli.main", *argv],
                          env={**os.environ, **fleet.env, "COLUMNS": "200"},
                          capture_output=True, text=True,
                          timeout=180)

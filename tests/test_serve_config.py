@@ -155,7 +155,7 @@ def test_example_serve_config_yaml_is_the_generated_v6e_4x4_app():
     (["serve", "--model", "smollm2", "--model", "smollm2"], "each model once"),
 ])
 def test_serve_cli_rejects_bad_flags_before_starting_anything(argv, needle, capsys):
-    from pathways_ray.cli import main
+    from pathways_ray.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pathways_ray as pr
-from pathways_ray import service
+from pathways_ray.service.service import service
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def fleet():
 
 
 def _cli(fleet, *args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pathways_ray.cli", "service", *args],
+    return subprocess.run([sys.executable, "-m", "pathways_ray.cli.main", "service", *args],
                           env={**os.environ, **fleet.env, "COLUMNS": "160"},
                           capture_output=True, text=True, timeout=timeout)
 
@@ -224,7 +224,8 @@ def test_a_frozen_client_loses_its_lease_and_is_told_so_when_it_wakes(fleet, tea
 
 # ---- isolation ----------------------------------------------------------------------------
 def test_a_handle_of_another_lease_is_refused_and_chips_refuse_a_forged_token(fleet, team):
-    from pathways_ray import boundary, registry
+    from pathways_ray import boundary
+    from pathways_ray.clusters import registry
     from pathways_ray.config import NAMESPACE
 
     a = pr.connect(service=NAME, slices={"tpuv6e:2x2": 1})  # pathwaysutils' spelling
@@ -386,7 +387,7 @@ def test_stopping_the_service_releases_every_slice_and_process(fleet, team):
     import psutil
     import ray
 
-    from pathways_ray.cluster import cluster_slices
+    from pathways_ray.clusters.cluster import cluster_slices
 
     held = pr.connect(service=NAME, slices={"v6e-2x2": 1})  # a lease open as it stops
     sh = NamedSharding(held.mesh((4,), ("d",)), P("d"))

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pathways_ray.sharding import MeshShape, normalize_spec, shard_slices, unique_shards
+from pathways_ray.programs.sharding import MeshShape, normalize_spec, shard_slices, unique_shards
 
 CASES = [
     ((2, 4), ("data", "model"), (8, 16), P("data", "model")),
@@ -50,7 +50,7 @@ def test_replicas_and_errors():
 
 
 def test_a_transfer_packs_one_object_per_source_chip_and_destination_host():
-    from pathways_ray.sharding import pack_transfer
+    from pathways_ray.programs.sharding import pack_transfer
 
     dm, mp = MeshShape(("data", "model"), (2, 2)), MeshShape(("model",), (4,))
     # 3 arrays on a 2x2 (data x model) slice, replicated over "data", to a 1x4 slice
@@ -71,7 +71,7 @@ def test_a_transfer_packs_one_object_per_source_chip_and_destination_host():
 
 
 def test_a_pull_transfer_moves_only_what_each_destination_chip_keeps():
-    from pathways_ray.sharding import pull_transfer
+    from pathways_ray.programs.sharding import pull_transfer
 
     dm, mp = MeshShape(("data", "model"), (2, 2)), MeshShape(("model",), (4,))
     # The weight sync of the RL loop: 2x2 (data x model, replicated over "data") to a
@@ -94,7 +94,7 @@ def test_a_pull_transfer_moves_only_what_each_destination_chip_keeps():
 
 
 def test_a_pull_of_the_same_sharding_moves_whole_shards_and_spreads_replicas():
-    from pathways_ray.sharding import pull_transfer
+    from pathways_ray.programs.sharding import pull_transfer
 
     m = MeshShape(("data", "model"), (2, 2))
     replicated = ((8, 16), 4, m, ((), ()), m, ((), ()))

@@ -17,12 +17,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pathways_ray import LocalFleet, RemoteError, SliceLost, Topology, host_checkpoint
-from pathways_ray.client import connect
-from pathways_ray.data_parallel import DataParallelTrainer
+from pathways_ray import LocalFleet, RemoteError, SliceLost, Topology
+from pathways_ray.client.client import connect
 from pathways_ray.demo.lm import LMConfig, init_params, loss_fn, param_specs
 from pathways_ray.demo.text import TextBatches, write_corpus
-from pathways_ray.feed import HostFeed
+from pathways_ray.elastic.data_parallel import DataParallelTrainer
+from pathways_ray.elastic.feed import HostFeed
+from pathways_ray.storage import host_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pathways_ray._fleet_state import free_ports
-from pathways_ray.slurm import SlurmJob, render_sbatch
-from pathways_ray.topology import Topology
+from pathways_ray._procs import free_ports
+from pathways_ray.clusters.slurm import SlurmJob, render_sbatch
+from pathways_ray.clusters.topology import Topology
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +143,7 @@ def _job(env, d: Path, steps: int) -> tuple[str, Path]:
     log = d / f"job-{steps}.out"
     script = d / f"train-{steps}.sbatch"
     port, dash = free_ports(2)
-    subprocess.run([sys.executable, "-m", "pathways_ray.cli", "slurm", "--slices", "2",
+    subprocess.run([sys.executable, "-m", "pathways_ray.cli.main", "slurm", "--slices", "2",
                     "--topology", "2x2", "--log", str(log), "--port", str(port),
                     "--dashboard-port", str(dash), "--state-dir", str(d / "jobs"), "-o",
                     str(script), "--", "python", "examples/train_jax_lm.py", "--mode",

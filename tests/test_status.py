@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from pathways_ray.cluster import slices_from_nodes
-from pathways_ray.status import render_status
+from pathways_ray.clusters.cluster import slices_from_nodes
+from pathways_ray.observability.status import render_status
 from tests.test_cluster_view import node
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pathways_ray.topology import GENERATIONS, Topology, generation, parse_shape
+from pathways_ray.clusters.topology import GENERATIONS, Topology, generation, parse_shape
 
 # (accelerator, topology, chips, hosts, chips/host, pod type, TPU_ACCELERATOR_TYPE,
 #  GKE accelerator label, GKE machine type, Ray accelerator type)

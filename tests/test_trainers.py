@@ -394,8 +394,8 @@ def _sc_elastic_loop(config: dict) -> None:
     test has killed a host, so the loss lands mid-run."""
     import time
 
-    from pathways_ray.data_parallel import DataParallelTrainer
     from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
+    from pathways_ray.elastic.data_parallel import DataParallelTrainer
     from pathways_ray.trainers import get_client, get_elastic
 
     with open(config["starts"], "a") as f:

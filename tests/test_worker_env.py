@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pathways_ray.worker_env import (
+from pathways_ray.chips.worker_env import (
     ChipInfo,
     cpu_env,
     one_cpu_while,
@@ -134,7 +134,7 @@ def test_one_cpu_while_gives_every_thread_its_cpus_back():
 
 
 def test_network_proxy_vars_leave_out_ray_serves_settings():
-    from pathways_ray.worker_env import network_proxy_vars
+    from pathways_ray.chips.worker_env import network_proxy_vars
 
     assert network_proxy_vars({"RAY_SERVE_PROXY_USE_GRPC": "1", "PATH": "/bin"}) == []
     assert network_proxy_vars({"https_proxy": "http://p:3128", "NO_PROXY": "x",

@@ -167,7 +167,7 @@ def usable_slices(plan: TpuPlan) -> list[str]:
     hosts all answer. A host killed a moment ago stays "alive" in Ray until its health
     checks fail; counted, it makes the restart after a slice loss ask for a slice it
     cannot have and sit out the whole worker-group start timeout (60 s)."""
-    from pathways_ray.cluster import cluster_slices, hosts_answering
+    from pathways_ray.clusters.cluster import cluster_slices, hosts_answering
 
     views = [v for v in cluster_slices()
              if v.intact and v.topology == plan.topology

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import base_dir
-from pathways_ray.topology import Topology
 
 __all__ = ["add_slice_args", "fit_on_slices", "slice_topology"]
 
@@ -60,7 +60,7 @@ def fit_on_slices(trainer_cls, train_loop, config: dict, args: argparse.Namespac
                     run_config=RunConfig(name=..., storage_path=...,
                         checkpoint_config=CheckpointConfig(num_to_keep=2)))
     """
-    from pathways_ray.local_fleet import cluster_or_local
+    from pathways_ray.emulation.local_fleet import cluster_or_local
     from pathways_ray.trainers import CheckpointConfig, RunConfig, ScalingConfig
 
     topo = slice_topology(args)

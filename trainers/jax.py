@@ -30,7 +30,7 @@ from ray.train.backend import Backend
 from ray.train.v2.jax import JaxTrainer as _RayJaxTrainer
 from ray.train.v2.jax.config import JaxConfig
 
-from pathways_ray.chip_worker import detect_platform
+from pathways_ray.chips.chip_worker import detect_platform
 from pathways_ray.trainers._ray_train import TpuControllerMixin, tpu_plan
 
 __all__ = ["JaxTrainer", "TpuJaxConfig", "get_client", "get_elastic"]
@@ -78,7 +78,7 @@ class TpuJaxConfig(JaxConfig):
 def _init_jax(coordinator: str, num_processes: int, process_id: int, platform: str,
               chips: int, extra_env: dict[str, str], timeout_s: float) -> dict:
     """Join the JAX world on this worker (before the train loop imports JAX)."""
-    from pathways_ray.worker_env import cpu_env
+    from pathways_ray.chips.worker_env import cpu_env
 
     env = cpu_env(os.environ, devices=chips) if platform == "cpu" else {"JAX_PLATFORMS": "tpu"}
     if platform == "tpu" and "JAX_PLATFORMS" in os.environ:
@@ -117,7 +117,7 @@ class _TpuJaxBackend(Backend):
         from ray.train._internal.utils import get_address_and_port
         from ray.util.tpu import get_tpu_coordinator_env_vars
 
-        from pathways_ray.worker_env import tpu_multiprocess_env
+        from pathways_ray.chips.worker_env import tpu_multiprocess_env
 
         n = len(worker_group)
         num_slices = worker_group.get_worker_group_context().num_slices
@@ -181,7 +181,7 @@ class _SingleControllerLoop:
 
     def __call__(self, config: dict):
         global _client, _elastic
-        from pathways_ray.client import connect
+        from pathways_ray.client.client import connect
 
         plan, count = self.plan, self.plan.num_slices
         if plan.min_slices < plan.num_slices:  # elastic: the free slices, at least min

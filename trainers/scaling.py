@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pathways_ray.topology import Topology
+from pathways_ray.clusters.topology import Topology
 
 __all__ = ["TpuPlan", "plan_tpu"]
 

@@ -42,7 +42,7 @@ _RUNTIMES = {"torch_tpu": ("tpu", "tpu_dist"), "torch_xla": ("xla", "xla"),
 def runtime() -> str:
     """Which PyTorch runtime drives this process's chip: ``torch_tpu``, ``torch_xla`` or
     ``cpu`` (no TPU on this host — the emulated fleet — or neither package)."""
-    from pathways_ray.chip_worker import detect_platform
+    from pathways_ray.chips.chip_worker import detect_platform
 
     if detect_platform() == "tpu":
         for module in ("torch_tpu", "torch_xla"):

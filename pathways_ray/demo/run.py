@@ -24,9 +24,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pathways_ray._ui import fleet_progress
-from pathways_ray.local_fleet import LocalFleet
-from pathways_ray.status import collect_status, render_status
-from pathways_ray.topology import Topology
+from pathways_ray.clusters.topology import Topology
+from pathways_ray.emulation.local_fleet import LocalFleet
+from pathways_ray.observability.status import collect_status, render_status
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,9 @@ def run_demo(
     console: Console | None = None,
     chaos: bool = False,
 ) -> DemoResult:
-    from pathways_ray.client import connect
-    from pathways_ray.data_parallel import DataParallelTrainer
+    from pathways_ray.client.client import connect
     from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
+    from pathways_ray.elastic.data_parallel import DataParallelTrainer
 
     console = console or Console()
     topo = Topology.parse(accelerator, topology, chips_per_host=chips_per_host)

@@ -2,7 +2,7 @@
 
 ``write_corpus`` writes the demo's Markov text as characters (a text file any
 host can read: a shared path here, a bucket on GKE). ``TextBatches`` is the
-host-side reader for ``pathways_ray.feed.HostFeed``: every row of every
+host-side reader for ``pathways_ray.elastic.feed.HostFeed``: every row of every
 micro-batch comes from a fixed offset in the file (a function of step,
 micro-batch and row), read and mapped to token ids on the host that holds it.
 The client can build the same batches itself (``TextBatches.on_client``),
@@ -79,7 +79,7 @@ class TextBatches:
     @classmethod
     def on_client(cls, path: str, seq: int, rows: int, read_latency_s: float = 0.0):
         """The same reader in this process, for whole micro-batches: ``batch(step, micro)``."""
-        from pathways_ray.sidecar_host import Host
+        from pathways_ray.chips.sidecar_host import Host
 
         host = Host("client", 0, 1, (), ((slice(0, rows), slice(0, seq + 1)),))
         reader = cls(host, path, seq, rows, read_latency_s)

@@ -1,0 +1,1 @@
+"""``pathways-ray``: the command line, one module per command group."""

@@ -1,0 +1,446 @@
+"""Data parallel across slices, data x model parallel within each, through the controller;
+elastic: a lost slice costs at most the step it broke, and the run goes on.
+
+The global batch is cut into ``num_microbatches`` equal micro-batches (one per
+starting slice). Each step, the slice that owns a micro-batch computes its
+loss and gradients (one program, SPMD over the slice's chips), raveled into
+one vector with the loss as its last element. Every vector goes to every
+slice chip to chip (``reshard``: JAX's transfer server, DCN in Pathways
+terms), and every slice sums them in micro-batch order with one small program
+and applies the update (a second program), so the replicas stay bit-identical.
+
+Each slice here is a JAX world of its own (plain ``connect()``), so losing one
+slice leaves the others whole: every survivor already holds the parameters.
+When a step raises ``SliceLost``, the trainer drops the slice, hands its
+micro-batches to the survivors (round robin: uneven, same shapes, so nothing
+is recompiled) and runs the step again from the parameters it started from.
+The global batch, the data order and so the losses stay those of the
+uninterrupted run. ``connect(multislice=True)`` is the other model: one world
+over every slice's chips, one failure domain.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pathways_ray.client.client import Client, RemoteArray
+from pathways_ray.elastic.elastic_policy import (
+    DEFAULT_SNAPSHOT_EVERY,
+    ElasticEvent,
+    NotEnoughSlices,
+    assign_microbatches,
+    check_failure,
+    recovery_source,
+    snapshot_due,
+    want_more,
+)
+from pathways_ray.elastic.feed import HostFeed
+from pathways_ray.errors import SliceLost
+
+__all__ = ["DataParallelTrainer", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """One step's mean loss over the global batch, held on every slice that applied it;
+    ``mean_loss()`` reads it from the first one still there."""
+
+    losses: dict[str, RemoteArray]
+
+    def mean_loss(self) -> float:
+        last: SliceLost | None = None
+        for handle in self.losses.values():
+            try:
+                return float(handle.fetch())
+            except SliceLost as e:
+                last = e
+        raise last or RuntimeError("no slice holds this step's loss")
+
+
+class DataParallelTrainer:
+    """``step(batch)`` runs one step on the global batch over the live slices.
+
+    ``min_slices`` (default 1): losing slices below it raises ``NotEnoughSlices``;
+    ``max_failures`` bounds how many losses a run takes (None: any).
+    ``on_elastic_event(event)`` sees every loss, retry and added slice.
+    ``grow=True`` reserves replacements in the background (the controller looks for
+    free capacity) and adds each at a step boundary once it has compiled.
+
+    ``snapshot_every`` (default 10 steps; None: off) copies the parameters into host
+    memory off the slices (``pathways_ray.elastic.snapshot``) in the background, from each
+    slice in turn. ``wait_for_slices_s`` (default 0: raise at once): below
+    ``min_slices``, wait this long for replacements instead of raising. A new slice
+    takes the parameters from a survivor; when none is left, from the latest
+    snapshot, and the steps since it run again from the batches the trainer kept.
+
+    ``feed`` (a ``pathways_ray.elastic.feed.HostFeed``): the input is read on the slices'
+    hosts by sidecars, ahead of the steps, and never passes through this process;
+    call ``step()`` without a batch. Each micro-batch is read on the slice that
+    computes it (after a loss, a survivor reads the lost slice's share).
+    """
+
+    def __init__(self, client: Client, loss_fn: Callable, params: dict, param_specs: dict,
+                 *, mesh_shape: tuple[int, int], lr: float, slices: list[str] | None = None,
+                 min_slices: int = 1, max_failures: int | None = None,
+                 on_elastic_event: Callable[[ElasticEvent], None] | None = None,
+                 grow: bool = False, grow_check_s: float = 1.0,
+                 snapshot_every: int | None = DEFAULT_SNAPSHOT_EVERY,
+                 wait_for_slices_s: float = 0.0, feed: HostFeed | None = None):
+        import jax
+        from jax.flatten_util import ravel_pytree
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        self.client = client
+        self.feed = feed
+        self._feeds: dict[str, Callable] = {}  # slice -> its sidecar's batch reader
+        self.live = list(slices or [s.name for s in client.slices])
+        self.num_microbatches = len(self.live)
+        self.target = len(self.live)
+        self.min_slices, self.max_failures = min_slices, max_failures
+        self.on_elastic_event = on_elastic_event
+        self.events: list[ElasticEvent] = []
+        self.failures = 0
+        self.steps_done = 0
+        self.grow, self.grow_check_s = grow, grow_check_s
+        self._joining: dict[str, RemoteArray] = {}  # slice -> its compile-ahead status
+        self._next_grow_check = 0.0
+        self._asked = False  # replacements requested and not all arrived
+        snapshot_due(0, snapshot_every)  # checks the setting
+        self.snapshot_every, self.wait_for_slices_s = snapshot_every, wait_for_slices_s
+        self._snapshot = None  # the snapshot on its way to host memory
+        self._history: list[tuple[int, np.ndarray]] = []  # batches since the latest one
+        self.mesh = client.mesh(mesh_shape, ("data", "model"))
+        self.param_shardings = jax.tree.map(lambda p: NamedSharding(self.mesh, p), param_specs,
+                                            is_leaf=lambda x: isinstance(x, P))
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.replicated = NamedSharding(self.mesh, P())
+        _, unravel = ravel_pytree(params)
+        m = self.num_microbatches
+
+        def grads(p, batch):
+            loss, g = jax.value_and_grad(loss_fn)(p, batch)
+            return jax.numpy.concatenate([ravel_pytree(g)[0], loss[None]])
+
+        def add(a, b):
+            return a + b
+
+        def apply(p, total):
+            new = jax.tree.map(lambda a, b: a - lr * b, p, unravel(total[:-1] / m))
+            return new, total[-1] / m
+
+        grads.__name__, add.__name__, apply.__name__ = "dp_grads", "dp_add", "dp_apply"
+        self._grads = client.jit(grads, out_shardings=self.replicated)
+        self._add = client.jit(add, out_shardings=self.replicated)
+        self._apply = client.jit(apply, out_shardings=(self.param_shardings, self.replicated))
+        self._host_params = params
+        self.params = {s: client.device_put(params, self.param_shardings, slice=s)
+                       for s in self.live}
+        if feed is not None:  # shapes known now: compile ahead while the job sets up
+            self._batch_shape, self._batch_dtype = tuple(feed.shape), np.dtype(feed.dtype)
+            for s in self.live:
+                self._compile_on(s)
+                self._open_feed(s)
+
+    @property
+    def slices(self) -> list[str]:
+        return list(self.live)
+
+    # ---- one step ----------------------------------------------------------------
+    def step(self, batch: np.ndarray | None = None) -> StepResult:
+        """One step on the global ``batch`` (or on the ``feed``'s next one, read on the
+        hosts); survives losing slices down to min_slices."""
+        m = self.num_microbatches
+        if (batch is None) == (self.feed is None):
+            raise ValueError("step(batch) takes a batch, or none when the trainer has a "
+                             "feed= (read on the hosts); not both, not neither")
+        if batch is not None and len(batch) % m:
+            raise ValueError(f"batch of {len(batch)} rows does not split into {m} "
+                             f"micro-batches (one per starting slice)")
+        if self.grow:
+            self._grow_at_boundary()
+        result = self._run_step(batch)
+        self._maybe_snapshot(batch)
+        return result
+
+    def _run_step(self, batch: np.ndarray | None) -> StepResult:
+        parts = None
+        if batch is not None:
+            parts = np.split(batch, self.num_microbatches)
+            self._batch_shape, self._batch_dtype = parts[0].shape, parts[0].dtype
+        while True:
+            try:
+                new, losses = self._try_step(parts)
+            except SliceLost as e:
+                self._drop(e)
+                continue
+            self.params.update(new)
+            self.steps_done += 1
+            return StepResult(losses)
+
+    def _try_step(self, parts: list[np.ndarray] | None):
+        """The step from ``self.params``, touching nothing of them: a failure midway
+        leaves the parameters the step started from."""
+        owner = assign_microbatches(self.num_microbatches, self.live)
+        vec = [self._grads(self.params[s], self._input(s, mb, parts))
+               for mb, s in enumerate(owner)]
+        here, copies = {}, []
+        for s in self.live:
+            here[s] = []
+            for o, v in zip(owner, vec, strict=True):
+                if o != s:
+                    v = self.client.reshard(v, self.replicated, slice=s)
+                    copies.append(v)
+                here[s].append(v)
+        # Every copy has landed before anything uses it: once this step returns, no later
+        # loss can reach back into it (a source that died while a copy was still being
+        # pulled raises SliceLost here, and the step runs again without it).
+        self.client.block_until_ready(copies)
+        new, losses = {}, {}
+        for s in self.live:
+            # Every slice sums the micro-batches in the same order, so the replicas stay
+            # bit-identical (float addition is not associative).
+            total = here[s][0]
+            for v in here[s][1:]:
+                total = self._add(total, v)
+            new[s], losses[s] = self._apply(self.params[s], total)
+        if not copies:  # one slice: nothing above waited for the step, so a loss would
+            self.client.block_until_ready(list(losses.values()))  # surface after it
+        return new, losses
+
+    def _input(self, s: str, mb: int, parts: list[np.ndarray] | None) -> RemoteArray:
+        """Micro-batch ``mb`` of this step on slice ``s``: from the client's batch, or
+        read by the slice's hosts."""
+        if parts is not None:
+            return self.client.device_put(parts[mb], self.batch_sharding, slice=s)
+        if s not in self._feeds:
+            self._open_feed(s)
+        return self._feeds[s](self.steps_done, mb)
+
+    def _open_feed(self, s: str) -> None:
+        """Start the feed's reader on every host of slice ``s``."""
+        import jax
+
+        from pathways_ray.elastic.feed import Prefetcher
+
+        f = self.feed
+        reader = self.client.sidecar(Prefetcher, slice=s)(f.cls, f.args, f.kwargs, f.prefetch)
+        out = jax.ShapeDtypeStruct(self._batch_shape, self._batch_dtype,
+                                   sharding=self.batch_sharding)
+        self._feeds[s] = reader.get.returning(out)
+
+    def _drop(self, e: SliceLost, retried: str = "step") -> None:
+        lost = e.slice
+        if lost not in self.live:
+            raise e  # not one of ours: nothing to recover by dropping it
+        self.live.remove(lost)
+        self.params.pop(lost, None)
+        self._feeds.pop(lost, None)
+        self.failures += 1
+        self._event("slice_lost", lost, e.reason)
+        waiting = self.wait_for_slices_s > 0 and len(self.live) < self.min_slices
+        check_failure(self.live, [lost], 0 if waiting else self.min_slices, self.failures,
+                      self.max_failures)
+        if waiting:
+            self._refill(lost)
+        what = f"step {self.steps_done}" if retried == "step" else "the save"
+        self._event(f"{retried}_retried", lost, f"{what} again on {self.live}")
+
+    # ---- host-memory snapshots ---------------------------------------------------------
+    def _maybe_snapshot(self, batch: np.ndarray) -> None:
+        """After a step: note a snapshot that completed, start the next one when due
+        (one at a time, from each live slice in turn) and keep the batches since the
+        latest complete one (what a restore from it runs again)."""
+        if not self.snapshot_every:
+            return
+        from pathways_ray.elastic import snapshot
+
+        self._history.append((self.steps_done - 1, batch))
+        if self._snapshot is not None and self._snapshot.done():
+            if self._snapshot.wait(timeout_s=5.0):
+                kept = self._snapshot.step
+                self._history = [(i, b) for i, b in self._history if i >= kept]
+            self._snapshot = None
+        if self._snapshot is None and snapshot_due(self.steps_done, self.snapshot_every):
+            src = self.live[self.steps_done // self.snapshot_every % len(self.live)]
+            try:
+                self._snapshot = snapshot.take(self.params[src], self.steps_done)
+            except SliceLost as e:  # the next step finds it lost and drops it
+                logger.info("elastic: no snapshot at step %d: %s", self.steps_done, e)
+
+    def _refill(self, lost: str) -> None:
+        """Below min_slices: wait up to ``wait_for_slices_s`` for replacements and give
+        each the parameters, from a survivor or else from the latest snapshot (then the
+        steps since it run again)."""
+        from pathways_ray.elastic import snapshot
+
+        if self._snapshot is not None and not self.live:  # it may complete yet
+            try:
+                self._snapshot.wait(timeout_s=10.0)
+            except Exception:  # noqa: BLE001 - a snapshot cut short by the loss
+                pass
+            self._snapshot = None
+        recovery_source(self.live, snapshot.latest_step(self.client), self.steps_done,
+                        self.snapshot_every)  # raises if neither a replica nor a snapshot
+        self._event("waiting_for_slices", lost,
+                    f"{len(self.live)} left, below min_slices={self.min_slices}; waiting up "
+                    f"to {self.wait_for_slices_s:g} s (wait_for_slices_s) for replacements")
+        deadline = time.monotonic() + self.wait_for_slices_s
+        candidates = list(self._joining)
+        self._joining.clear()
+        rewound_to = None
+        while len(self.live) < self.min_slices:
+            if candidates:
+                name = candidates.pop(0)
+                if self.live:
+                    why = self._copy_params(to=name)
+                else:
+                    try:
+                        rewound_to, self.params[name] = snapshot.restore(
+                            self.client, self.param_shardings, slice=name)
+                    except SliceLost:
+                        continue
+                    why = f"parameters of step {rewound_to} from the host-memory snapshot"
+                self.live.append(name)
+                self._event("slice_added", name, why)
+                continue
+            if time.monotonic() > deadline:
+                raise NotEnoughSlices(
+                    f"lost slice {lost}: {len(self.live)} left ({self.live}), below "
+                    f"min_slices={self.min_slices}, and no replacement came within "
+                    f"wait_for_slices_s={self.wait_for_slices_s:g} s; add capacity or lower "
+                    f"min_slices")
+            self.client.request_slices(self.target - len(self.live))
+            self._asked = True
+            candidates = self.client.refresh_slices()
+            if not candidates:
+                time.sleep(0.5)
+        if rewound_to is not None:
+            self._rerun_from(rewound_to, lost)
+
+    def _copy_params(self, to: str) -> str:
+        """Give slice ``to`` a copy of the first live slice's parameters (worker to
+        worker); returns what happened, for the event."""
+        import jax
+
+        src = self.live[0]
+        self.params[to] = jax.tree.map(lambda v, sh: self.client.reshard(v, sh, slice=to),
+                                       self.params[src], self.param_shardings)
+        return f"parameters copied from {src}"
+
+    def _rerun_from(self, step: int, lost: str) -> None:
+        """Every live slice holds the snapshot's parameters of ``step`` (the first took
+        them from the snapshot, the others from it): bring them back to ``steps_done``
+        by running the kept batches again."""
+        target, self.steps_done = self.steps_done, step
+        self._event("snapshot_restored", lost, f"from step {step}; running the "
+                    f"{target - step} step(s) since then again")
+        for batch in [b for i, b in self._history if step <= i < target]:
+            self._run_step(batch)
+        if self.steps_done != target:
+            raise RuntimeError(f"ran again to step {self.steps_done}, expected {target}: the "
+                               f"batches since the snapshot of step {step} were not all kept")
+
+    def _event(self, kind: str, slice_name: str, reason: str = "") -> None:
+        ev = ElasticEvent(kind, self.steps_done, slice_name, tuple(self.live), reason)
+        self.events.append(ev)
+        logger.warning("elastic: %s %s at step %d (%s); live %s", kind, slice_name,
+                       ev.step, reason, list(ev.live))
+        if self.on_elastic_event is not None:
+            self.on_elastic_event(ev)
+
+    # ---- growing back --------------------------------------------------------------
+    def _grow_at_boundary(self) -> None:
+        """Between steps: ask for replacements, warm up new slices in the background,
+        and add the ones whose warm-up finished (a copy of the current parameters)."""
+        now = time.monotonic()
+        if now >= self._next_grow_check:
+            self._next_grow_check = now + self.grow_check_s
+            for name in self.client.refresh_slices():
+                self._warm_up(name)
+            missing = want_more(len(self.live), self.target, len(self._joining))
+            if missing or self._asked:
+                self.client.request_slices(missing)
+                self._asked = bool(missing)
+        for name, warm in list(self._joining.items()):
+            try:
+                if not warm.is_ready():
+                    continue
+            except SliceLost:
+                self._joining.pop(name)
+                continue
+            del self._joining[name]
+            why = self._copy_params(to=name)
+            self.live.append(name)
+            self._event("slice_added", name, why)
+
+    def _warm_up(self, name: str) -> None:
+        """Ship and compile this trainer's programs on a new slice, off the step path
+        (nothing runs, no bytes are put; the persistent cache makes it a load). The
+        parameters follow from a survivor once it is done."""
+        ready = self._compile_on(name)
+        if self.feed is not None:
+            self._open_feed(name)
+        self._joining[name] = ready.status
+        self._event("slice_joining", name, "compiling")
+
+    def _compile_on(self, name: str):
+        """Compile the step's three programs on slice ``name`` ahead of their first run;
+        returns the last (one stream: when it is done, all are)."""
+        import jax
+
+        def like(v, sharding):
+            return jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=sharding)
+
+        params = jax.tree.map(like, self._host_params, self.param_shardings)
+        batch = jax.ShapeDtypeStruct(self._batch_shape, self._batch_dtype,
+                                     sharding=self.batch_sharding)
+        grads = self._grads.lower(params, batch)
+        out = grads.program.out_sigs[0]
+        vec = jax.ShapeDtypeStruct(out.shape, np.dtype(out.dtype), sharding=self.replicated)
+        grads.compile(slice=name)
+        self._add.lower(vec, vec).compile(slice=name)
+        return self._apply.lower(params, vec).compile(slice=name)
+
+    # ---- checkpoints to storage ------------------------------------------------------
+    def save(self, path, *, timeout_s: float | None = None) -> int:
+        """Write the parameters and the step count as an Orbax checkpoint at ``path``
+        (``pathways_ray.storage.checkpoint``: the chips write their shards). Any live slice
+        holds them; one that is lost meanwhile is dropped as in a step and the next
+        one writes. Returns the bytes saved."""
+        from pathways_ray.storage import checkpoint
+
+        while True:
+            src = self.live[0]
+            step = self.client.device_put(np.int32(self.steps_done), self.replicated, slice=src)
+            try:
+                return checkpoint.save(path, {"params": self.params[src], "step": step},
+                                       timeout_s=timeout_s)
+            except SliceLost as e:
+                self._drop(e, retried="save")
+
+    def restore(self, path, *, timeout_s: float | None = None) -> int:
+        """Load parameters and step count from a checkpoint written by ``save`` (by this
+        or another client, on any fleet) onto every live slice; returns the step count.
+        The run goes on from there: feed it the batches that come after that step."""
+        from pathways_ray.storage import checkpoint
+
+        like = {"params": self.param_shardings, "step": self.replicated}
+        params, step = {}, 0
+        for s in self.live:
+            tree = checkpoint.restore(self.client, path, like, slice=s, timeout_s=timeout_s)
+            params[s], step = tree["params"], int(tree["step"].fetch())
+        self.params, self.steps_done = params, step
+        return step
+
+    def fetch_params(self, slice_name: str | None = None) -> dict:
+        import jax
+
+        return jax.tree.map(lambda a: a.fetch(), self.params[slice_name or self.live[0]])

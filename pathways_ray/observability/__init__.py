@@ -1,0 +1,1 @@
+"""Observability: the fleet status table, profiles and their merged traces."""

@@ -1,0 +1,1 @@
+"""The shared service: a long-running pool of slices that many clients lease."""

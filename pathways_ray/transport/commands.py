@@ -1,0 +1,259 @@
+"""The commands a chip worker runs, as frozen values. Pure (no Ray, no JAX).
+
+The client builds them, the controller places them (``placed``) and forwards
+them over each worker's command stream, the executor dispatches on their type.
+Each knows the buffers it reads (``reads``) and writes (``writes``), so a
+failed command marks exactly its outputs and the controller can keep its
+registry of live buffers without knowing what any command means.
+
+Every worker of a placement receives the same commands in the same order, so
+every chip issues the same collectives in the same sequence.
+
+``start`` is the first device of the command's mesh in the JAX world: 0 for a
+slice that is a world of its own; a slice's offset, or a multislice group's
+first slice's, when several slices share one world. The client leaves it 0;
+the controller, which knows the world, sets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pathways_ray.programs.sharding import MeshShape, Spec
+
+__all__ = ["Command", "Compile", "Free", "Hold", "HostCall", "Load", "Put", "Reshard", "Restore",
+           "Run", "Save", "placed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Deserialize an exported program and jit it once; later loads are no-ops."""
+
+    fingerprint: str
+    blob: bytes
+
+    reads = writes = ()
+
+    def __reduce__(self):  # pickle as (class, fields): half the bytes and time of state dicts
+        return (Load, (self.fingerprint, self.blob))
+
+    def __repr__(self) -> str:
+        return f"Load({self.fingerprint[:12]})"
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Assemble this chip's shard of a new buffer from pieces of host arrays.
+
+    ``pieces`` (one list of ``(object ref, index)`` per chip, in device order)
+    travel from the client to the controller only: the controller hands each
+    chip its own by Ray call (so Ray tracks the refs) and forwards the command
+    without them. Pulls from another slice's chips (``pull.Pull``, a cross-slice
+    reshard) are no refs: they stay in the command, and each chip takes its own.
+    """
+
+    buffer: int
+    shape: tuple[int, ...]
+    dtype: str
+    spec: Spec
+    mesh: MeshShape
+    start: int = 0
+    pieces: Any = None
+
+    reads = ()
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.buffer,)
+
+    def __reduce__(self):
+        return (Put, (self.buffer, self.shape, self.dtype, self.spec, self.mesh, self.start,
+                      self.pieces))
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run a loaded program on global arrays; its outputs become new buffers."""
+
+    fingerprint: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.inputs
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return self.outputs
+
+    def __reduce__(self):
+        return (Run, (self.fingerprint, self.inputs, self.outputs))
+
+
+@dataclass(frozen=True, slots=True)
+class Compile:
+    """Compile a loaded program for its signature ahead of its first ``Run``, without
+    running it (``client.jit(f).lower(...).compile()``): the first step then only runs.
+    ``in_sigs`` are ``(shape, dtype, spec)`` per flat input; ``status`` becomes a
+    replicated int32 scalar once every chip has compiled (or the compile error)."""
+
+    fingerprint: str
+    in_sigs: tuple[tuple[tuple[int, ...], str, Spec], ...]
+    status: int
+    mesh: MeshShape
+    start: int = 0
+
+    reads = ()
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.status,)
+
+    def __reduce__(self):
+        return (Compile, (self.fingerprint, self.in_sigs, self.status, self.mesh, self.start))
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard:
+    """The same array on the same chips with another sharding."""
+
+    src: int
+    dst: int
+    spec: Spec
+    mesh: MeshShape
+    start: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.dst,)
+
+    def __reduce__(self):
+        return (Reshard, (self.src, self.dst, self.spec, self.mesh, self.start))
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Drop buffers. Rides at the end of a batch: every command that reads one of them
+    was issued while the client still held its handle, so before the free."""
+
+    buffers: tuple[int, ...]
+
+    reads = writes = ()
+
+    def __reduce__(self):
+        return (Free, (self.buffers,))
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Write buffers as one Orbax checkpoint at ``path``, every chip its own shards
+    (Orbax's multi-process save over the placement's JAX world). ``keys`` are the
+    pytree paths of the inputs; ``status`` becomes a replicated int32 scalar, the
+    number of arrays saved, once the checkpoint is committed."""
+
+    path: str
+    keys: tuple[tuple[str, ...], ...]
+    inputs: tuple[int, ...]
+    status: int
+    mesh: MeshShape
+    start: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.inputs
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.status,)
+
+    def __reduce__(self):
+        return (Save, (self.path, self.keys, self.inputs, self.status, self.mesh, self.start))
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Read arrays of the Orbax checkpoint at ``path`` into new buffers, every chip
+    only its own shards. ``keys``, ``shapes``, ``dtypes`` and ``specs`` are per output."""
+
+    path: str
+    keys: tuple[tuple[str, ...], ...]
+    outputs: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    specs: tuple[Spec, ...]
+    mesh: MeshShape
+    start: int = 0
+
+    reads = ()
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return self.outputs
+
+    def __reduce__(self):
+        return (Restore, (self.path, self.keys, self.outputs, self.shapes, self.dtypes,
+                          self.specs, self.mesh, self.start))
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Copy this chip's shards of ``buffers`` to host memory under ``token``, for a
+    sidecar call to pick up (``ChipWorker.held``). Only the chips whose rank in the
+    placement is in ``ranks`` hold (one per distinct block per host)."""
+
+    token: int
+    buffers: tuple[int, ...]
+    ranks: tuple[int, ...]
+    start: int = 0
+
+    writes = ()
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.buffers
+
+    def __reduce__(self):
+        return (Hold, (self.token, self.buffers, self.ranks, self.start))
+
+
+@dataclass(frozen=True)
+class HostCall:
+    """A sidecar call on every host of a slice (``sidecar.py``). It goes from the client
+    to the controller only: the controller turns it into a ``Hold`` of the array
+    arguments, a call to each host's sidecar, and the ``outputs`` (puts whose pieces
+    the sidecars return). ``inputs`` are ``(buffer, shape, dtype, mesh, spec)``;
+    ``reply`` (non-zero) keeps each host's return value for the client."""
+
+    spec: dict
+    inputs: tuple[tuple[int, tuple[int, ...], str, MeshShape, Spec], ...] = ()
+    outputs: tuple[Put, ...] = ()
+    reply: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return tuple(i[0] for i in self.inputs)
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return tuple(p.buffer for p in self.outputs)
+
+
+Command = Load | Put | Run | Compile | Reshard | Free | Save | Restore | Hold | HostCall
+
+
+def placed(cmd: Command, start: int) -> Command:
+    """``cmd`` as a worker runs it on a placement whose first device is ``start``
+    (a put's pieces stay behind)."""
+    match cmd:
+        case Put():
+            return replace(cmd, start=start, pieces=None)
+        case Reshard() | Save() | Restore() | Compile() | Hold() if cmd.start != start:
+            return replace(cmd, start=start)
+        case _:
+            return cmd
