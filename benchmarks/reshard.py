@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
-from pathways_ray.client.client import connect
+from pathways_ray.client.connect import connect
 from pathways_ray.config import transfer_mode
 from pathways_ray.testing import DebugController, reshard_via_controller
 

@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
-from pathways_ray.client.client import connect
-from pathways_ray.service.service import service
+from pathways_ray.client.connect import connect
+from pathways_ray.service import control, leasing
 
 DIM = 128
 
@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
 
     with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="bsvc"):
-        service.start_service("bench", ["v6e-2x2"])
+        control.start_service("bench", ["v6e-2x2"])
         private = connect(["v6e-2x2"])
         leased = connect(service="bench", slices={"v6e-2x2": 1})
         try:
@@ -103,9 +103,9 @@ def main() -> None:
         grants, leases, privates = [], [], []
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            grant = service.lease("bench", {"v6e-2x2": 1})
+            grant = leasing.lease("bench", {"v6e-2x2": 1})
             grants.append(time.perf_counter() - t0)
-            service.get_service("bench").release.remote(grant["lease"], grant["token"])
+            control.get_service("bench").release.remote(grant["lease"], grant["token"])
             time.sleep(0.5)
             t0 = time.perf_counter()
             c = connect(service="bench", slices={"v6e-2x2": 1})
@@ -125,7 +125,7 @@ def main() -> None:
         print(f"  private connect()              {pv * 1e3:7.0f} ms (reserve, start chip "
               f"workers, JAX world)")
         print(f"  ratio (private / lease)        {pv / ls:7.1f}x")
-        service.stop_service("bench")
+        control.stop_service("bench")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pathways_ray import LocalFleet
-from pathways_ray.client.client import connect
+from pathways_ray.client.connect import connect
 from pathways_ray.demo.lm import LMConfig, init_params, param_specs
 
 

@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "connect": "pathways_ray.client.client",
-    "reshard": "pathways_ray.client.client",
+    "connect": "pathways_ray.client.connect",
+    "reshard": "pathways_ray.client.connect",
     "Client": "pathways_ray.client.client",
     "RemoteArray": "pathways_ray.client.arrays",
     "Fleet": "pathways_ray.clusters.fleet",
@@ -49,7 +49,7 @@ _MOVED = {
     "JitFunction": "pathways_ray.client.jit",
     "Program": "pathways_ray.programs.program",
     "SliceView": "pathways_ray.clusters.cluster",
-    "SliceWorker": "pathways_ray.chips.slice",
+    "SliceWorker": "pathways_ray.chips.handles",
 }
 
 __all__ = [

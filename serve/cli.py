@@ -76,9 +76,9 @@ def register(sub) -> dict:
                    help="metrics: seconds between the two scrapes (default 15; Ray exports "
                         "its metrics every 10 s)")
     p.add_argument("--watch", action="store_true", help="metrics: redraw every --window")
-    p.add_argument("--fleet-name", default=None,
-                   help="local fleet name, without --address (default serve; for list and "
-                        "delete: the one running)")
+    p.add_argument("--fleet", default=None,
+                   help="the local fleet (its `pathways-ray up --name`), without --address "
+                        "(default serve; for list and delete: the one running)")
     return {"serve": cmd_serve}
 
 
@@ -103,10 +103,10 @@ def cmd_serve(args) -> int:
                          "(`pathways-ray serve list` shows them)")
     from types import SimpleNamespace
 
-    from pathways_ray.cli.main import _connect_for_status
+    from pathways_ray.cli.common import connect_for_status
 
-    # --address, $RAY_ADDRESS, or the one local fleet running (--fleet-name picks one)
-    with _connect_for_status(SimpleNamespace(address=args.address, name=args.fleet_name)):
+    # --address, $RAY_ADDRESS, or the one local fleet running (--fleet picks one)
+    with connect_for_status(SimpleNamespace(address=args.address, name=args.fleet)):
         if args.action == "list":
             from pathways_ray.serve.inventory import render_apps, served_apps
 
@@ -176,7 +176,7 @@ def _run(args) -> int:
                       f"connecting to {address}")
         # Replica and engine logs stay in the session's log files unless -v.
         fleet = cluster_or_local(address, slices=[topo] * (n_local * len(models)),
-                                 name=args.fleet_name or "serve",
+                                 name=args.fleet or "serve",
                                  log_to_driver=args.verbose)
         with fleet:
             platform = args.platform

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from pathways_ray.errors import WorkerDied
-from pathways_ray.transport.channel import ChannelServer, CommandChannel, dumps
+from pathways_ray.transport.channel import CommandChannel, dumps
+from pathways_ray.transport.server import ChannelServer
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
-from pathways_ray.client.client import RemoteArray, connect, reshard
+from pathways_ray.client.arrays import RemoteArray
+from pathways_ray.client.connect import connect, reshard
 from pathways_ray.errors import RemoteError
 from pathways_ray.testing import DebugController
 

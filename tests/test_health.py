@@ -7,7 +7,8 @@ import threading
 import time
 
 from pathways_ray.controller.health import HealthMonitor, stall_verdict
-from pathways_ray.transport.channel import ChannelServer, CommandChannel, dumps
+from pathways_ray.transport.channel import CommandChannel, dumps
+from pathways_ray.transport.server import ChannelServer
 
 
 def test_stall_verdict():
@@ -66,7 +67,7 @@ def test_a_closed_stream_is_condemned_within_a_look():
 
 _SERVER = """
 import sys, time
-from pathways_ray.transport.channel import ChannelServer
+from pathways_ray.transport.server import ChannelServer
 srv = ChannelServer("127.0.0.1", lambda batch: time.sleep(60))
 print(srv.address[1], srv.token.hex(), flush=True)
 sys.stdin.read()

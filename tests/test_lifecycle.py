@@ -219,7 +219,8 @@ def test_down_with_nothing_running():
 
 def test_cli_topology_defaults():
     """A generation alone defaults to 2x4; a pod type implies its own shape."""
-    from pathways_ray.cli.main import _topology, build_parser
+    from pathways_ray.cli.common import topology_of as _topology
+    from pathways_ray.cli.main import build_parser
 
     parse = build_parser().parse_args
     assert _topology(parse(["up"])).name == "2x4"

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet
-from pathways_ray.client.client import connect, reshard
+from pathways_ray.client.connect import connect, reshard
 from tests.test_controller import _mlp_data, _mlp_loss, _sgd
 
 pytestmark = pytest.mark.slow

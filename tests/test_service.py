@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pathways_ray as pr
-from pathways_ray.service.service import service
+from pathways_ray.service import control as service
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways_ray import LocalFleet, RemoteError, SliceLost, Topology
-from pathways_ray.client.client import connect
+from pathways_ray.client.connect import connect
 from pathways_ray.demo.lm import LMConfig, init_params, loss_fn, param_specs
 from pathways_ray.demo.text import TextBatches, write_corpus
 from pathways_ray.elastic.data_parallel import DataParallelTrainer

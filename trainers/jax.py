@@ -181,7 +181,7 @@ class _SingleControllerLoop:
 
     def __call__(self, config: dict):
         global _client, _elastic
-        from pathways_ray.client.client import connect
+        from pathways_ray.client.connect import connect
 
         plan, count = self.plan, self.plan.num_slices
         if plan.min_slices < plan.num_slices:  # elastic: the free slices, at least min

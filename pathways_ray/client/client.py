@@ -7,6 +7,10 @@ controller, and every wait for a chip worker's result, goes through
 ``boundary.py``: what reaches user code is ``SliceLost`` (naming the slice and
 host), ``ControllerDied``, ``WaitTimeout`` (naming the setting) or the user's
 own ``RemoteError``, never a raw Ray exception.
+
+``connect`` (``connect.py``) starts the controller and returns the client; waiting
+for results (``results.py``) and resharding (``resharding.py``) are pieces of
+their own, mixed in.
 """
 
 from __future__ import annotations
@@ -19,24 +23,24 @@ import time
 import numpy as np
 
 from pathways_ray import boundary, config
-from pathways_ray.chips.executor import assemble
 from pathways_ray.client.arrays import RemoteArray, SliceInfo, spec_of
 from pathways_ray.client.dispatch import Dispatcher
 from pathways_ray.client.jit import Compiled, JitFunction
+from pathways_ray.client.resharding import Resharding
+from pathways_ray.client.results import Results
 from pathways_ray.errors import ControllerDied, PathwaysError, SliceLost
 from pathways_ray.observability.profile_trace import Event
 from pathways_ray.observability.profiling import PROFILE_ENV
 from pathways_ray.programs.program import Program
 from pathways_ray.programs.sharding import MeshShape, shard_slices, unique_shards
-from pathways_ray.transport.commands import Compile, Put, Reshard, Run
+from pathways_ray.transport.commands import Compile, Put, Run
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Client", "Compiled", "JitFunction", "RemoteArray", "SliceInfo", "connect",
-           "reshard"]
+__all__ = ["Client", "Compiled", "JitFunction", "RemoteArray", "SliceInfo"]
 
 
-class Client:
+class Client(Results, Resharding):
     """The single-controller client. Make one with ``pathways_ray.connect()``."""
 
     def __init__(self, controller, max_batch: int = 64, flush_interval_s: float = 0.010,
@@ -282,7 +286,7 @@ class Client:
     def sidecar(self, target, *, slice: str | int | None = None):
         """Run ``target`` (a function or a class) on every host of ``slice``, next to its
         chips: see ``pathways_ray.client.sidecar``. Starts the slice's sidecars on first use."""
-        from pathways_ray.client.client import sidecar
+        from pathways_ray.client import sidecar
 
         info = self.slice(slice)
         self._check(info.name)
@@ -326,62 +330,7 @@ class Client:
         self._queue.poll()
         self._queue.check(where)
 
-    def _worker_results(self, where: str, refs, timeout_s: float | None, what: str):
-        """Wait for chip workers' results; a dead worker means its slice is lost."""
-        def died(e: BaseException) -> PathwaysError:
-            try:
-                err = self._call("report_lost", where, boundary.death_summary(e))
-            except PathwaysError as known:  # already lost, or the controller is gone
-                err = known
-            return self._queue.record(where, err) if isinstance(err, SliceLost) else err
-
-        return boundary.get(refs, timeout="fetch" if timeout_s is None else timeout_s,
-                            what=what, died=died)
-
     # ---- results --------------------------------------------------------------------
-    def _fetch(self, arr: RemoteArray, timeout_s: float | None) -> np.ndarray:
-        self._sync(arr.slice)
-        index = shard_slices(arr.shape, arr.mesh, arr.spec)
-        firsts = sorted(set(unique_shards(index)))
-        refs = self._call("shard_refs", arr.slice, arr._id, firsts, where=arr.slice)
-        values = self._worker_results(arr.slice, refs, timeout_s, f"fetching {arr!r}")
-        self.counters["fetched_bytes"] += sum(getattr(v, "nbytes", 0) for v in values)
-        full = tuple(slice(0, n) for n in arr.shape)
-        return assemble(full, arr.dtype.name,
-                        [(index[r], v) for r, v in zip(firsts, values, strict=True)])
-
-    def _ready(self, slice_name: str, ids: list[int], timeout_s: float | None) -> None:
-        self._sync(slice_name)
-        refs = self._call("ready", slice_name, ids, where=slice_name)
-        self._worker_results(slice_name, refs, timeout_s, f"buffers {ids} on {slice_name}")
-
-    def block_until_ready(self, arrays: list[RemoteArray],
-                          timeout_s: float | None = None) -> None:
-        """Wait until every array is computed (one query per slice); raises the first
-        failure (``SliceLost``, ``RemoteError``)."""
-        by_slice: dict[str, list[int]] = {}
-        for a in arrays:
-            self._own(a)
-            by_slice.setdefault(a.slice, []).append(a._id)
-        for name, ids in by_slice.items():
-            self._ready(name, ids, timeout_s)
-
-    def _is_ready(self, slice_name: str, buffer_id: int) -> bool:
-        """Poll one buffer without waiting. The first poll sends the query; later polls
-        look at that same query's answers, so a buffer that is done reads as done (a
-        fresh query per poll, looked at after 0 s, would read "running" every time)."""
-        key = (slice_name, buffer_id)
-        refs = self._ready_polls.get(key)
-        if refs is None:
-            self._sync(slice_name)
-            refs = self._ready_polls[key] = self._call("ready", slice_name, [buffer_id],
-                                                       where=slice_name)
-        running, failed = boundary.failed_now(refs)
-        if failed or not running:
-            del self._ready_polls[key]
-        if failed:
-            self._worker_results(slice_name, [failed[0][0]], 1.0, f"buffer {buffer_id}")
-        return not running
 
     # ---- growing -------------------------------------------------------------------
     def request_slices(self, count: int) -> None:
@@ -403,62 +352,6 @@ class Client:
                 self.slices.append(info)
                 added.append(info.name)
         return added
-
-    def reshard(self, x, sharding, slice: str | int | None = None):
-        """``x`` (an array or a pytree of them) with another sharding, on its slice or
-        on ``slice``. ``sharding``: one for every array, or a matching pytree.
-
-        Across slices the chips copy the shards themselves, all the arrays from one
-        slice in one message (``$PATHWAYS_RAY_TRANSFER``: ``pull``, chip to chip over
-        JAX's transfer server, or ``objects``, through the hosts' Ray object stores).
-        If a source slice is gone this raises ``SliceLost`` naming it, and nothing is
-        created on the destination."""
-        import jax
-
-        mode = config.transfer_mode()  # a bad setting fails here, before any work
-        leaves, treedef = jax.tree.flatten(x)
-        shardings = jax.tree.leaves(sharding, is_leaf=lambda s: hasattr(s, "spec"))
-        if len(shardings) == 1 and len(leaves) > 1:
-            shardings = shardings * len(leaves)
-        if len(shardings) != len(leaves):
-            raise ValueError(f"sharding has {len(shardings)} leaves for {len(leaves)} arrays; "
-                             f"give one sharding, or a pytree matching x")
-        target = self.slice(slice) if slice is not None else None
-        placed = []  # (array, where, mesh, spec): every argument checked before any work
-        for a, sh in zip(leaves, shardings, strict=True):
-            if not isinstance(a, RemoteArray):
-                raise TypeError(f"reshard takes RemoteArrays, got {type(a).__name__}; "
-                                f"use device_put for host arrays")
-            self._own(a)
-            where = target or self.slice(a.slice)
-            mesh, spec = spec_of(sh, a.ndim)
-            if mesh.size != where.chips:
-                raise ValueError(f"the mesh has {mesh.size} devices; slice {where.name} has "
-                                 f"{where.chips} chips")
-            placed.append((a, where, mesh, spec))
-        out, moves = [], {}  # source slice -> [(array, its copy)]
-        for a, where, mesh, spec in placed:
-            b = RemoteArray(self, next(self._ids), where.name, a.shape, a.dtype, mesh, spec)
-            if where.name == a.slice:
-                self._queue.enqueue(where.name, Reshard(a._id, b._id, spec, mesh))
-            else:
-                moves.setdefault(a.slice, []).append((a, b))
-            out.append(b)
-        for src, pairs in moves.items():
-            self._transfer(src, target.name, pairs, mode)
-        return out[0] if isinstance(x, RemoteArray) else jax.tree.unflatten(treedef, out)
-
-    def _transfer(self, src: str, dst: str, pairs: list[tuple[RemoteArray, RemoteArray]],
-                  mode: str):
-        self._sync(src)
-        self._sync(dst)
-        items = [(a._id, a.mesh, a.spec, Put(b._id, tuple(b.shape), b.dtype.name, b.spec, b.mesh))
-                 for a, b in pairs]
-        try:
-            self._call("transfer", src, dst, items, mode, timeout="fetch", where=src)
-        except SliceLost as e:
-            self._queue.record(dst if e.slice == dst else src, e)
-            raise
 
     def stats(self) -> dict:
         self.flush()
@@ -498,107 +391,3 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def connect(slices: list | dict | None = None, *, service: str | None = None,
-            lease_timeout_s: float | None = None, reserve_timeout_s: float | None = None,
-            max_batch: int = 64, compilation_cache_dir: str | None = "default",
-            multislice: bool = False, controller_cls: type | None = None,
-            fanout: int | None = None, simulated=None) -> Client:
-    """Start a controller holding ``slices`` (default: every free slice) and return a client.
-
-    With ``service="team"``, lease the slices from that shared service instead
-    (``pathways-ray service start``): ``slices`` maps shapes to counts,
-    ``{"v6e-2x2": 1}`` (pathwaysutils' ``{"tpuv6e:2x2": 1}`` works too). The client
-    waits in the service's queue while they are busy, for at most
-    ``lease_timeout_s`` (default ``$PATHWAYS_RAY_LEASE_TIMEOUT_S`` or 600 s), and
-    keeps the lease alive with heartbeats; ``close()`` gives the slices back, and so
-    does the service if the process dies or its heartbeats stop for
-    ``$PATHWAYS_RAY_HEARTBEAT_TIMEOUT_S`` (30 s, the service's setting).
-
-    The process must be connected to the Ray cluster (a ``LocalFleet``, or
-    ``Fleet.attach()``). ``reserve_timeout_s`` bounds each slice's reservation
-    (default ``$PATHWAYS_RAY_RESERVE_TIMEOUT_S`` or 120 s). ``compilation_cache_dir``
-    is JAX's persistent compilation cache on every chip (``None`` turns it off).
-    ``multislice=True`` joins the slices' chips in one JAX world, so that a mesh can
-    span slices (``client.mesh(..., slices=[0, 1])``, collectives over DCN); each
-    slice still runs its own programs too. The joined world is lost with any one
-    slice. ``controller_cls`` replaces ``Controller`` (tests and benchmarks use
-    ``pathways_ray.testing.DebugController``). ``fanout`` is how many hosts each host
-    relays a slice's command stream to (default ``$PATHWAYS_RAY_FANOUT`` or 8; 0: the
-    controller sends to every chip itself). ``simulated`` (a ``simulate.SimFleet``,
-    whose ``connect()`` passes it) runs the controller on simulated chips.
-    """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from pathways_ray.controller.controller import Controller
-
-    if fanout is not None:
-        from pathways_ray.transport.fanout import check_fanout
-
-        check_fanout(fanout)
-    if not ray.is_initialized():
-        raise RuntimeError("not connected to a Ray cluster; start a pathways_ray.LocalFleet "
-                           "or call pathways_ray.Fleet.attach(address) first")
-    grant = heartbeat = None
-    if service is not None:
-        from pathways_ray.service.service import service as shared
-
-        if multislice:
-            raise ValueError("multislice=True with service=: a lease's slices are separate "
-                             "JAX worlds; connect without service= for one world")
-        if slices is None:
-            raise ValueError(f"slices=None with service={service!r}: say what to lease, e.g. "
-                             f"slices={{'v6e-2x2': 1}}")
-        grant = shared.lease(service, slices, timeout=lease_timeout_s)
-        heartbeat = shared.Heartbeat(grant)
-        specs = None
-    elif simulated is not None:  # running already, lent like a lease's (simulate.py)
-        grant, specs = {"token": None, "slices": simulated.lend()}, None
-    elif isinstance(slices, dict):
-        raise TypeError(f"slices={slices!r}: shapes with counts are for a shared service's "
-                        f"lease (service=...); for a private controller pass a list of shapes")
-    else:
-        specs = None if slices is None else list(slices)  # Topology or "v6e-4x4" strings
-    # Errors of shards the controller fetched for the client reach the client; the
-    # controller need not echo them as "unhandled" when it drops its refs.
-    # The client's settings (timeouts, directories) hold for its controller too.
-    env = {"env_vars": {"RAY_IGNORE_UNHANDLED_ERRORS": "1",
-                        **{k: v for k, v in os.environ.items() if k.startswith("PATHWAYS_RAY_")}}}
-    if compilation_cache_dir == "default":
-        compilation_cache_dir = config.default_compilation_cache_dir()
-    # The controller runs beside its client (as Ray Train's controller runs beside the
-    # driver): off the TPU hosts, whose CPUs and memory belong to the chips, and one
-    # local hop from the client that feeds it every step.
-    # Hard affinity: with soft=True Ray placed it on a TPU host in 1 of 4 tries here.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    try:
-        # A lease's controller starts no process of its own (the service started the
-        # chips), so it takes its settings as an argument, not as a runtime_env for its
-        # children: with Ray's default runtime_env it starts in a worker Ray already has
-        # idle (a lease on an idle pool: 0.76 s -> 0.23-0.51 s here).
-        options = dict(num_cpus=0, max_restarts=0, scheduling_strategy=here)
-        if grant is None:
-            options["runtime_env"] = env
-        else:
-            grant = {**grant, "env": env["env_vars"]}
-        actor = ray.remote(**options)(controller_cls or Controller).remote(
-            specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
-            multislice=multislice, lease=grant, fanout=fanout)
-    except BaseException:
-        if heartbeat is not None:
-            heartbeat.release()
-        raise
-    try:
-        return Client(actor, max_batch=max_batch, lease=heartbeat)
-    except BaseException:
-        ray.kill(actor)
-        if heartbeat is not None:
-            heartbeat.release()
-        raise
-
-
-def reshard(x: RemoteArray, sharding, slice: str | int | None = None) -> RemoteArray:
-    """Move ``x`` to another sharding on its slice, or onto another slice."""
-    return x._client.reshard(x, sharding, slice)

@@ -52,7 +52,7 @@ def run_demo(
     console: Console | None = None,
     chaos: bool = False,
 ) -> DemoResult:
-    from pathways_ray.client.client import connect
+    from pathways_ray.client.connect import connect
     from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
     from pathways_ray.elastic.data_parallel import DataParallelTrainer
 

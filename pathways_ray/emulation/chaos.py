@@ -1,11 +1,14 @@
 """Fault injection on a local emulated fleet: kill, freeze and restore TPU hosts for
 real (signals to every process of the host), for tests, demos and users rehearsing
-failures. ``LocalFleet.remove_host`` / ``freeze_host`` / ``restore_host`` call these.
+failures. ``LocalFleet.remove_host`` / ``freeze_host`` / ``restore_host`` / ``host_cpu_s``
+call these.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from typing import TYPE_CHECKING
 
 from pathways_ray import _procs
@@ -14,7 +17,7 @@ from pathways_ray.errors import FleetError
 if TYPE_CHECKING:
     from pathways_ray.emulation.local_fleet import LocalFleet
 
-__all__ = ["freeze_host", "kill_host"]
+__all__ = ["freeze_host", "host_cpu_s", "kill_host", "restore_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +67,49 @@ def _signal(procs: list, sig: int) -> None:
             p.send_signal(sig)
         except _procs.psutil.NoSuchProcess:
             pass
+
+
+def restore_host(fleet: LocalFleet, slice_name: str, worker_id: int,
+                 timeout_s: float = 60.0) -> str:
+    """Start a fresh raylet for a removed host (a replacement VM). Returns its node id
+    (empty from a handle that is not connected, e.g. ``LocalFleet.running()``)."""
+    plan = fleet._plan(slice_name, worker_id)
+    if _procs.find(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key)):
+        raise FleetError(f"host {plan.key} is still running; remove_host() it first")
+    i = fleet.hosts.index(plan)
+    for attempt in (1, 2):
+        fleet._port_pool = fleet._take_ports(4)
+        proc = fleet._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", plan.key,
+                           plan.start_args(fleet.address),
+                           {**plan.env, _procs.HOST_ENV: plan.key})
+        try:
+            fleet._wait_started([(plan.key, proc)], time.monotonic(), timeout_s=timeout_s)
+            break
+        except FleetError as e:
+            # `ray start` gives a raylet 30 s (fixed) to register; a loaded machine
+            # can miss that once. Clear what it left and start it again.
+            _procs.kill_all(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key),
+                            grace_s=0, sig=_procs.signal.SIGKILL)
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            logger.warning("host %s did not register in time; starting it again",
+                           plan.key)
+    if fleet.connect:
+        fleet._wait_registered(time.monotonic(), timeout_s=timeout_s)
+    return fleet.node_ids.get(plan.key, "")
+
+
+def host_cpu_s(fleet: LocalFleet, slice_name: str, worker_id: int) -> float:
+    """CPU-seconds used so far by the live processes of one emulated host (its
+    raylet, Ray's agents, its workers): what the host costs this machine's cores."""
+    import psutil
+
+    plan = fleet._plan(slice_name, worker_id)
+    total = 0.0
+    for proc in _procs.find(_procs.HOST_ENV, plan.key, fleet._host_sessions(plan.key)):
+        try:
+            t = proc.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        total += t.user + t.system
+    return total

@@ -67,7 +67,6 @@ def cluster_or_local(address: str | None = None, *, log_to_driver: bool = True,
     return LocalFleet(log_to_driver=log_to_driver, **local_fleet_kwargs)
 
 
-
 class LocalFleet(Fleet):
     """A real multi-node Ray cluster on this machine emulating TPU slices.
 
@@ -295,47 +294,18 @@ class LocalFleet(Fleet):
         return chaos.freeze_host(self, slice_name, worker_id, frozen=frozen)
 
     def restore_host(self, slice_name: str, worker_id: int, timeout_s: float = 60.0) -> str:
-        """Start a fresh raylet for a removed host (a replacement VM). Returns its node id
-        (empty from a handle that is not connected, e.g. ``LocalFleet.running()``)."""
-        plan = self._plan(slice_name, worker_id)
-        if _procs.find(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key)):
-            raise FleetError(f"host {plan.key} is still running; remove_host() it first")
-        i = self.hosts.index(plan)
-        for attempt in (1, 2):
-            self._port_pool = self._take_ports(4)
-            proc = self._spawn(f"host{i}-{uuid.uuid4().hex[:4]}", plan.key,
-                               plan.start_args(self.address),
-                               {**plan.env, _procs.HOST_ENV: plan.key})
-            try:
-                self._wait_started([(plan.key, proc)], time.monotonic(), timeout_s=timeout_s)
-                break
-            except FleetError as e:
-                # `ray start` gives a raylet 30 s (fixed) to register; a loaded machine
-                # can miss that once. Clear what it left and start it again.
-                _procs.kill_all(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key),
-                                grace_s=0, sig=_procs.signal.SIGKILL)
-                if attempt == 2 or "timed out during startup" not in str(e):
-                    raise
-                logger.warning("host %s did not register in time; starting it again",
-                               plan.key)
-        if self.connect:
-            self._wait_registered(time.monotonic(), timeout_s=timeout_s)
-        return self.node_ids.get(plan.key, "")
+        """Start a fresh raylet for a removed host (a replacement VM): its node id, or ""
+        from a handle that is not connected (``chaos.restore_host``)."""
+        from pathways_ray.emulation import chaos
+
+        return chaos.restore_host(self, slice_name, worker_id, timeout_s=timeout_s)
 
     def host_cpu_s(self, slice_name: str, worker_id: int) -> float:
         """CPU-seconds used so far by the live processes of one emulated host (its
         raylet, Ray's agents, its workers): what the host costs this machine's cores."""
-        import psutil
+        from pathways_ray.emulation import chaos
 
-        plan = self._plan(slice_name, worker_id)
-        total = 0.0
-        for proc in _procs.find(_procs.HOST_ENV, plan.key, self._host_sessions(plan.key)):
-            try:
-                t = proc.cpu_times()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            total += t.user + t.system
-        return total
+        return chaos.host_cpu_s(self, slice_name, worker_id)
 
     # ---- internals ------------------------------------------------------------------
     def _plan(self, slice_name: str, worker_id: int) -> HostPlan:

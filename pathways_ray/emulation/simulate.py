@@ -3,7 +3,7 @@
 Thousands of JAX chip workers do not fit on a laptop. A ``SimFleet`` runs
 lightweight stand-ins instead, many per process (``SimHost`` actors spread over
 the Ray nodes): each simulated chip has a real command stream server
-(``channel.ChannelServer``: the same protocol, secret, acks, heartbeats,
+(``server.ChannelServer``: the same protocol, secret, acks, heartbeats,
 backpressure and relaying as a chip worker) and a ``SimExecutor`` that keeps
 the buffer table and program cache as bookkeeping and executes no XLA. The
 controller gets them the way a lease of a shared service hands over running
@@ -30,8 +30,8 @@ from pathways_ray import boundary
 from pathways_ray.chips.worker_env import ChipInfo
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import timeout_s
-from pathways_ray.transport.channel import ChannelServer
 from pathways_ray.transport.commands import Free, Load
+from pathways_ray.transport.server import ChannelServer
 
 __all__ = ["SimExecutor", "SimFleet", "SimHost"]
 
@@ -174,7 +174,7 @@ class SimFleet:
                              f"SimHost processes")
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from pathways_ray.chips.slice import SliceWorker
+        from pathways_ray.chips.handles import SliceWorker
 
         self.topologies = [Topology.of(s) for s in slices]
         chips = []  # (slice, host, chip, rank) in slice then rank order
@@ -229,7 +229,7 @@ class SimFleet:
     def connect(self, **kwargs):
         """A client whose controller dispatches to these chips (``connect`` arguments:
         ``max_batch``, ``fanout``, ``controller_cls``)."""
-        from pathways_ray.client.client import connect
+        from pathways_ray.client.connect import connect
 
         return connect(simulated=self, compilation_cache_dir=None, **kwargs)
 

@@ -20,26 +20,25 @@ reserved in the background; capacity never leaks (``lease.LeaseBook``).
 
 Numbers (active users, leases, capacity in use, queue length, time waited)
 go out as Ray metrics, in Prometheus format from every node's metrics agent.
+
+This module is the actor. ``control`` starts, finds and stops services (the
+CLI's calls); ``leasing`` is a client's side of a lease (the queue, heartbeats).
 """
 
 from __future__ import annotations
 
-import getpass
 import logging
-import os
 import secrets
-import socket
 import threading
 import time
 
 from pathways_ray import boundary
 from pathways_ray.clusters.topology import Topology
-from pathways_ray.config import NAMESPACE, USER_ENV, timeout_s
+from pathways_ray.config import timeout_s
 from pathways_ray.errors import LeaseRevoked, PathwaysError, ReservationTimeout, WaitTimeout
-from pathways_ray.service.lease import LeaseBook, parse_request
+from pathways_ray.service.lease import LeaseBook
 
-__all__ = ["Service", "get_service", "lease", "list_services", "service_status",
-           "start_service", "stop_service"]
+__all__ = ["Service"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class Service:
         """Reserve the pool (every free slice of the cluster if none were named) and
         start watching; returns ``status()``."""
         from pathways_ray.clusters.cluster import cluster_slices
-        from pathways_ray.controller.controller import _reserve_all
+        from pathways_ray.controller.placement import reserve_all
 
         specs = self._specs
         if specs is None:
@@ -87,7 +86,7 @@ class Service:
             if not specs:
                 raise ReservationTimeout("no free TPU slice in the cluster for the service's "
                                          "pool; free one, or add TPU hosts")
-        reserved = _reserve_all([Topology.of(s) for s in specs], self._opts)
+        reserved = reserve_all([Topology.of(s) for s in specs], self._opts)
         try:
             for s in reserved:
                 self._bind(s, self._pool_token)
@@ -419,223 +418,3 @@ class _Metrics:
 
     def waited(self, seconds: float) -> None:
         self._wait.observe(max(seconds, 0.0))
-
-
-# ---- what clients and the CLI call --------------------------------------------------------
-def start_service(name: str, slices: list | None = None, *,
-                  reserve_timeout_s: float | None = None,
-                  compilation_cache_dir: str | None = "default") -> dict:
-    """Start service ``name`` (a detached actor that outlives this process) holding
-    ``slices`` (default: every free slice); returns its status. The process must be
-    connected to the Ray cluster."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from pathways_ray import config
-
-    _check_name(name)
-    if not ray.is_initialized():
-        raise RuntimeError("not connected to a Ray cluster; start a pathways_ray.LocalFleet "
-                           "or call pathways_ray.Fleet.attach(address) first")
-    if name in list_services():
-        raise ValueError(f"name={name!r}: a service of that name is running; stop it with "
-                         f"`pathways-ray service stop --name {name}` or pick another name")
-    if compilation_cache_dir == "default":
-        compilation_cache_dir = config.default_compilation_cache_dir()
-    env = {"env_vars": {"RAY_IGNORE_UNHANDLED_ERRORS": "1",
-                        **{k: v for k, v in os.environ.items() if k.startswith("PATHWAYS_RAY_")}}}
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(Service).options(
-        name=_actor_name(name), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-        max_concurrency=64, max_restarts=0, runtime_env=env, scheduling_strategy=here,
-    ).remote(name, None if slices is None else [str(Topology.of(s)) for s in slices],
-             reserve_timeout_s, compilation_cache_dir)
-    budget = 4 * (timeout_s("reserve") + timeout_s("worker_start"))
-    try:
-        return boundary.get(actor.start.remote(), timeout=budget,
-                            what=f"starting service {name!r}")
-    except BaseException:
-        _kill(actor, name)
-        raise
-
-
-def get_service(name: str):
-    import ray
-
-    _check_name(name)
-    try:
-        return ray.get_actor(_actor_name(name), namespace=NAMESPACE)
-    except ValueError:
-        running = list_services()
-        raise ValueError(f"service={name!r}: no such service in this cluster (running: "
-                         f"{running or 'none'}); start it with `pathways-ray service start "
-                         f"--name {name}`") from None
-
-
-def list_services() -> list[str]:
-    from ray.util import list_named_actors
-
-    return sorted(a["name"][len(_ACTOR_PREFIX):] for a in list_named_actors(all_namespaces=True)
-                  if a.get("namespace") == NAMESPACE and a["name"].startswith(_ACTOR_PREFIX))
-
-
-def service_status(name: str) -> dict:
-    return boundary.get(get_service(name).status.remote(), timeout="control",
-                        what=f"the status of service {name!r}", died=_gone(name))
-
-
-def stop_service(name: str) -> dict:
-    """End every lease, release every slice and process of service ``name``."""
-    actor = get_service(name)
-    try:
-        return boundary.get(actor.stop.remote(), timeout=2 * timeout_s("shutdown"),
-                            what=f"stopping service {name!r}", died=_gone(name))
-    finally:
-        _kill(actor, name)
-
-
-def _kill(actor, name: str) -> None:
-    import ray
-
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - gone already
-        logger.debug("service %s already gone", name)
-
-
-def _gone(name: str):
-    return lambda e: LeaseRevoked(f"the service {name!r} is gone ({boundary.death_summary(e)})")
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
-        raise ValueError(f"service={name!r} must be a non-empty name of letters, digits, '-' "
-                         f"and '_'")
-
-
-def owner() -> dict:
-    """Who asks: shown in the service's status (``$PATHWAYS_RAY_USER``, else the login)."""
-    return {"user": os.environ.get(USER_ENV) or getpass.getuser(),
-            "host": socket.gethostname(), "pid": os.getpid()}
-
-
-def lease(name: str, slices, *, timeout: float | None = None) -> dict:
-    """Wait in service ``name``'s queue for ``slices``; returns the grant. Logs the
-    queue position as it changes; gives up after ``timeout`` seconds (default
-    ``$PATHWAYS_RAY_LEASE_TIMEOUT_S``), leaving the queue."""
-    wants = parse_request(slices)
-    svc = get_service(name)
-    limit, setting = (timeout, "lease_timeout_s=") if timeout else (
-        timeout_s("lease"), "lease_timeout_s= or $PATHWAYS_RAY_LEASE_TIMEOUT_S")
-    if limit <= 0:
-        raise ValueError(f"lease_timeout_s={timeout!r} must be positive")
-    died = _gone(name)
-    t0 = time.monotonic()
-    ticket = boundary.get(svc.request.remote(owner(), list(wants)), timeout="control",
-                          what=f"asking service {name!r} for slices", died=died)
-    rid, shown = ticket["request"], None
-    try:
-        while True:
-            left = limit - (time.monotonic() - t0)
-            if left <= 0:
-                raise ReservationTimeout(
-                    f"service {name!r} granted no lease of {_wants(wants)} within {limit:g} s "
-                    f"({setting}); position {shown} in its queue. See who holds its slices "
-                    f"with `pathways-ray service status --name {name}`")
-            got = boundary.get(svc.wait.remote(rid, min(2.0, left)), timeout="control",
-                               what=f"waiting for service {name!r}", died=died)
-            if got["state"] == "granted":
-                return got["lease"]
-            if got["state"] == "failed":
-                raise LeaseRevoked(f"service {name!r}: {got['why']}")
-            if got["position"] != shown:
-                shown = got["position"]
-                logger.warning("waiting for %s from service %r: position %s of %s in its "
-                               "queue (%.0f s so far)", _wants(wants), name, shown,
-                               got["queue"], time.monotonic() - t0)
-    except BaseException:
-        # Wait (briefly) for the service to take the request off its queue, so that who
-        # gave up has left it by the time the error reaches them.
-        try:
-            boundary.get(svc.cancel.remote(rid), timeout=5.0,
-                         what=f"leaving service {name!r}'s queue", died=died)
-        except Exception:  # noqa: BLE001 - the service is gone or slow: it drops the
-            pass           # request anyway once its polls stop (heartbeat_s)
-        raise
-
-
-def _wants(wants) -> str:
-    return ", ".join(f"{n} x {k}" for k, n in wants)
-
-
-class Heartbeat:
-    """A client's heartbeat to its service: a daemon thread beating every fifth of the
-    service's timeout. ``revoked`` holds the error once the lease is gone."""
-
-    def __init__(self, grant: dict):
-        self._svc = get_service(grant["service"])
-        self.lease_id, self._token = grant["lease"], grant["token"]
-        self.name = grant["service"]
-        self._timeout = grant["heartbeat_timeout_s"]
-        self.revoked: LeaseRevoked | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="pathways-ray-heartbeat")
-        self._thread.start()
-
-    def _run(self) -> None:
-        import ray
-
-        last_ok = time.monotonic()
-        period = max(0.2, min(5.0, self._timeout / 5))
-        while not self._stop.wait(period):
-            try:
-                alive = ray.get(self._svc.heartbeat.remote(self.lease_id, self._token),
-                                timeout=period * 2)
-            except Exception as e:  # noqa: BLE001 - the service slow or gone
-                if time.monotonic() - last_ok > self._timeout:
-                    self.revoked = LeaseRevoked(
-                        f"{self.lease_id} of service {self.name!r} ended: the service did not "
-                        f"answer for {self._timeout:g} s ({type(e).__name__}); connect again")
-                    return
-                continue
-            if not alive:
-                self.revoked = LeaseRevoked(
-                    f"{self.lease_id} of service {self.name!r} was taken back: its heartbeats "
-                    f"stopped for over {self._timeout:g} s ($PATHWAYS_RAY_HEARTBEAT_TIMEOUT_S "
-                    f"of the service) or its controller died; its slices went to the pool. "
-                    f"Connect again")
-                return
-            last_ok = time.monotonic()
-
-    def check_now(self) -> LeaseRevoked | None:
-        """Ask the service once (after the controller died: was the lease taken back?)."""
-        if self.revoked is None:
-            try:
-                if not boundary.get(self._svc.heartbeat.remote(self.lease_id, self._token),
-                                    timeout="control", what="a heartbeat",
-                                    died=_gone(self.name)):
-                    self._stop.set()
-                    self._thread.join(1.0)
-                    self.revoked = self.revoked or LeaseRevoked(
-                        f"{self.lease_id} of service {self.name!r} was taken back (no "
-                        f"heartbeat for {self._timeout:g} s); connect again")
-            except PathwaysError as e:
-                self.revoked = LeaseRevoked(str(e))
-        return self.revoked
-
-    def release(self) -> None:
-        """Stop beating and give the slices back (once; nothing if already revoked)."""
-        self._stop.set()
-        if self.revoked is None:
-            try:
-                boundary.get(self._svc.release.remote(self.lease_id, self._token),
-                             timeout="control", what=f"releasing {self.lease_id}",
-                             died=_gone(self.name))
-            except PathwaysError as e:
-                logger.info("releasing %s: %s", self.lease_id, e)
-            self.revoked = LeaseRevoked(f"{self.lease_id} was released (the client closed)")
-
-    def attach(self, controller) -> None:
-        boundary.get(self._svc.attach.remote(self.lease_id, self._token, controller),
-                     timeout="control", what=f"attaching {self.lease_id}", died=_gone(self.name))

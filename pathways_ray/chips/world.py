@@ -1,0 +1,200 @@
+"""A chip worker's JAX world: one ``jax.distributed`` process per chip, the slice's
+chips its devices, and what every new world prepares once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from pathways_ray.chips.executor import Executor
+from pathways_ray.chips.worker_env import (
+    cpu_env,
+    network_proxy_vars,
+    one_cpu_while,
+    tpu_multiprocess_env,
+    wait_listening,
+)
+from pathways_ray.programs import compile_cache
+
+logger = logging.getLogger(__name__)
+
+
+class JaxWorld:
+    """Mixin of ``ChipWorker``: joining, using and leaving the slice's JAX world."""
+
+    def init_world(
+        self,
+        *,
+        coordinator: str,
+        num_processes: int,
+        rank: int,
+        timeout_s: float,
+        process_addresses: list[str] | None = None,
+        slice_shape: tuple[int, ...] | None = None,
+        compilation_cache_dir: str | None = None,
+        slice_devices: tuple[int, int] | None = None,
+        multislice: tuple[int, int, str] | None = None,
+    ) -> dict:
+        """Join a JAX world as process ``rank``; returns what JAX sees.
+
+        The world is the slice's, or several slices' (``slice_devices`` = this
+        slice's (first device, count) in it; ``multislice`` = (slice id, slices,
+        DCN coordinator) on TPU).
+        """
+        start, count = slice_devices or (0, num_processes)
+        if self.info.platform == "cpu":
+            env = cpu_env(os.environ)
+        else:
+            env = tpu_multiprocess_env(
+                rank=rank - start, chip=self.info.chip,
+                process_addresses=process_addresses or [], slice_shape=slice_shape or (),
+                multislice=multislice,
+            )
+        for key, value in env.items():
+            if value == "":
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        t0 = time.monotonic()
+        import jax
+
+        if self.info.platform == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if compilation_cache_dir:
+            # XLA executables persist across runs: the second run of a program loads it.
+            jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+            if self.info.platform == "cpu":
+                _cache_writes_from_every_process()
+            self._cache_counter = compile_cache.count_events(
+                compilation_cache_dir, f"{self.info.slice_name}-{rank}-{os.getpid()}")
+        if not network_proxy_vars(os.environ):  # JAX's warning would name Ray Serve's
+            jax.config.update("jax_check_proxy_envs", False)
+        if rank != 0:  # see wait_listening: saves ~1 s of every world's start
+            wait_listening(coordinator, t0 + timeout_s)
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=rank,
+            initialization_timeout=int(max(1, t0 + timeout_s - time.monotonic())),
+        )
+        from jax.sharding import Mesh
+
+        if self.info.platform == "cpu":
+            with one_cpu_while():  # XLA's CPU client: one compute thread per chip
+                jax.devices()
+        self.rank = rank
+        self._mesh = Mesh(np.array(jax.devices()[start:start + count]), ("chips",))
+        self.executor = Executor(rank, pieces=self._take_pieces, give=self._give)
+        # Off the first step's path: the one-time set-up of calling exported programs
+        threading.Thread(target=_prepare_exported_calls, name="prepare-exported",
+                         daemon=True).start()
+        local = jax.local_devices()
+        if len(local) != 1:
+            raise RuntimeError(
+                f"chip worker rank {rank} sees {len(local)} local devices, expected 1; "
+                f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}"
+            )
+        return {
+            "rank": rank,
+            "process_index": jax.process_index(),
+            "device_count": jax.device_count(),
+            "local_device": str(local[0]),
+            "platform": local[0].platform,
+            "init_s": time.monotonic() - t0,
+        }
+
+    def all_reduce(self, value) -> np.ndarray:
+        """Sum ``value`` over every chip of the slice with one XLA collective.
+
+        Every worker of the slice must call this with the same shape and dtype.
+        """
+        if self._mesh is None:
+            raise RuntimeError("init_world() has not run on this chip worker")
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        x = np.asarray(value)
+        key = (x.shape, x.dtype.str)
+        if key not in self._reducers:
+            self._reducers[key] = jax.jit(
+                lambda a: a.sum(axis=0), out_shardings=NamedSharding(self._mesh, P())
+            )
+        n = self._mesh.size
+        local = jax.device_put(x[None], jax.local_devices()[0])
+        global_x = jax.make_array_from_single_device_arrays(
+            (n, *x.shape), NamedSharding(self._mesh, P("chips")), [local]
+        )
+        out = self._reducers[key](global_x)
+        return np.asarray(out.addressable_data(0))
+
+    def shutdown_world(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self._mesh is not None:
+            import jax
+
+            jax.distributed.shutdown()
+            self._mesh = None
+
+
+
+def _prepare_exported_calls() -> None:
+    """Lower one tiny exported program, so the first real one does not pay JAX's
+    one-time set-up of calling exported programs.
+
+    Every program reaches a chip exported (``jax.export``), and the first lowering of
+    one in a process initializes the platform's FFI handlers; on CPU that imports
+    SciPy's LAPACK (0.16 s of CPU per chip worker, measured), in the first step of
+    every new slice, cached or not. Run in a thread once the JAX world exists; the
+    first program, if it comes sooner, waits on the same import lock, no longer.
+    """
+    try:
+        import jax
+        from jax import export
+
+        spec = jax.ShapeDtypeStruct((), np.float32)
+        exp = export.deserialize(export.export(jax.jit(lambda x: x))(spec).serialize())
+        jax.jit(exp.call).lower(spec)
+    except Exception:  # noqa: BLE001 - only speed depends on it
+        logger.debug("preparing exported calls failed", exc_info=True)
+
+
+def _cache_writes_from_every_process() -> None:
+    """Let every process of a CPU world write its persistent compilation cache entries.
+
+    JAX writes entries only from process 0 (on TPU every host computes the same key,
+    so one writer is enough). On a multi-process CPU world each process computes a
+    key of its own (measured: four ranks, four keys for one program), so ranks 1..n
+    never found an entry and compiled every program again on every new slice (4.2 s
+    for the demo's gradient program, against 0.6 s on rank 0). Keys differ, so the
+    writers never contend for one file. JAX internals: if they move, nothing changes
+    but the speed.
+    """
+    try:
+        from jax._src import compilation_cache, compiler
+    except ImportError:
+        return
+    if getattr(compiler._cache_write, "_pathways_ray", False) or not hasattr(
+            compilation_cache, "put_executable_and_time"):
+        return
+
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if host_callbacks:
+            return
+        try:
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable,
+                                                      backend, int(compile_time_secs))
+        except Exception:  # noqa: BLE001 - a cache write must never fail a program
+            logger.info("writing compilation cache entry %s failed", module_name,
+                        exc_info=True)
+
+    write._pathways_ray = True
+    compiler._cache_write = write

@@ -1,0 +1,73 @@
+"""Results on the client: fetching an array's bytes, waiting until arrays are ready,
+and what a dead worker met while waiting means."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pathways_ray import boundary
+from pathways_ray.chips.executor import assemble
+from pathways_ray.client.arrays import RemoteArray
+from pathways_ray.errors import PathwaysError, SliceLost
+from pathways_ray.programs.sharding import shard_slices, unique_shards
+
+
+class Results:
+    """Mixin of ``Client``: the waits for chip workers' results."""
+
+    def _worker_results(self, where: str, refs, timeout_s: float | None, what: str):
+        """Wait for chip workers' results; a dead worker means its slice is lost."""
+        def died(e: BaseException) -> PathwaysError:
+            try:
+                err = self._call("report_lost", where, boundary.death_summary(e))
+            except PathwaysError as known:  # already lost, or the controller is gone
+                err = known
+            return self._queue.record(where, err) if isinstance(err, SliceLost) else err
+
+        return boundary.get(refs, timeout="fetch" if timeout_s is None else timeout_s,
+                            what=what, died=died)
+
+    def _fetch(self, arr: RemoteArray, timeout_s: float | None) -> np.ndarray:
+        self._sync(arr.slice)
+        index = shard_slices(arr.shape, arr.mesh, arr.spec)
+        firsts = sorted(set(unique_shards(index)))
+        refs = self._call("shard_refs", arr.slice, arr._id, firsts, where=arr.slice)
+        values = self._worker_results(arr.slice, refs, timeout_s, f"fetching {arr!r}")
+        self.counters["fetched_bytes"] += sum(getattr(v, "nbytes", 0) for v in values)
+        full = tuple(slice(0, n) for n in arr.shape)
+        return assemble(full, arr.dtype.name,
+                        [(index[r], v) for r, v in zip(firsts, values, strict=True)])
+
+    def _ready(self, slice_name: str, ids: list[int], timeout_s: float | None) -> None:
+        self._sync(slice_name)
+        refs = self._call("ready", slice_name, ids, where=slice_name)
+        self._worker_results(slice_name, refs, timeout_s, f"buffers {ids} on {slice_name}")
+
+    def block_until_ready(self, arrays: list[RemoteArray],
+                          timeout_s: float | None = None) -> None:
+        """Wait until every array is computed (one query per slice); raises the first
+        failure (``SliceLost``, ``RemoteError``)."""
+        by_slice: dict[str, list[int]] = {}
+        for a in arrays:
+            self._own(a)
+            by_slice.setdefault(a.slice, []).append(a._id)
+        for name, ids in by_slice.items():
+            self._ready(name, ids, timeout_s)
+
+    def _is_ready(self, slice_name: str, buffer_id: int) -> bool:
+        """Poll one buffer without waiting. The first poll sends the query; later polls
+        look at that same query's answers, so a buffer that is done reads as done (a
+        fresh query per poll, looked at after 0 s, would read "running" every time)."""
+        key = (slice_name, buffer_id)
+        refs = self._ready_polls.get(key)
+        if refs is None:
+            self._sync(slice_name)
+            refs = self._ready_polls[key] = self._call("ready", slice_name, [buffer_id],
+                                                       where=slice_name)
+        running, failed = boundary.failed_now(refs)
+        if failed or not running:
+            del self._ready_polls[key]
+        if failed:
+            self._worker_results(slice_name, [failed[0][0]], 1.0, f"buffer {buffer_id}")
+        return not running
+
