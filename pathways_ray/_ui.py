@@ -7,13 +7,15 @@ import os
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-LOG_WIDTH = 160  # columns when writing to a pipe or file
+# Columns when writing to a pipe or file: wider than any table's natural width, so
+# tables keep whole names (rich pads nothing to the width; a table only shrinks).
+LOG_WIDTH = 1000
 
 
 def make_console(stderr: bool = False) -> Console:
     """A console for the CLI. On a terminal, rich's own choices; into a pipe or a log
-    file, no colours (rich drops them there) and wide lines, since rich's 80-column
-    default would cut the status table."""
+    file, no colours (rich drops them there) and lines as long as a table needs:
+    rich's 80-column default cut names to "a…" and "degrad…" (``$COLUMNS`` wins)."""
     console = Console(stderr=stderr)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(stderr=stderr, width=LOG_WIDTH)

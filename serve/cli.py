@@ -18,11 +18,10 @@ import argparse
 import os
 import time
 
-from rich.console import Console
-
+from pathways_ray._ui import make_console
 from pathways_ray.errors import PathwaysError
 
-console = Console()
+console = make_console()
 
 
 def _slices(text: str) -> int | tuple[int, int]:

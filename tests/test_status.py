@@ -132,3 +132,25 @@ def test_serve_metrics_turn_two_scrapes_of_rays_metrics_into_figures_per_model()
     text = render(render_figures([m], 10.0))
     assert "150 ms" in text and "30.0%" in text and "64.0" in text
     assert "no vLLM engine" in render(render_figures([], 10.0))
+
+
+def test_piped_tables_keep_whole_names():
+    """Into a pipe (``pathways-ray serve list | cat``, ``status | cat``) tables keep whole
+    names: rich's 80-column default cut them to "a…", "rou…", "degrad…"."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from pathways_ray.serve.cli import console\n"
+        "from pathways_ray.serve.inventory import apps_from_details, render_apps\n"
+        "from tests.test_status import _details\n"
+        "hosts = {'aaaaaaaa11': ('s0', 0), 'cccccccc33': ('s1', 0)}\n"
+        "console.print(render_apps(apps_from_details(_details(('RUNNING', 'STARTING')), "
+        "hosts)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout
+    assert "…" not in out, out
+    for name in ("route", "degraded", "replica state", "smollm2-b"):
+        assert name in out, out

@@ -171,3 +171,64 @@ def one_cpu_while():
         for tid in os.listdir("/proc/self/task"):
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 os.sched_setaffinity(int(tid), full)
+
+
+GLOO_CHATTER = b"[Gloo] Rank "
+_stdout_filtered = False
+
+
+def drop_stdout_lines(prefix: bytes = GLOO_CHATTER, *, flush_after_s: float = 0.2) -> bool:
+    """Route this process's fd 1 through a pipe that drops lines starting with ``prefix``.
+
+    Gloo prints "[Gloo] Rank N is connected to M peer ranks..." with C++ ``std::cout``
+    (no log level governs it) on every process of a CPU world when its first
+    collective connects, and Ray forwards each chip worker's stdout to the driver: 16
+    such lines in a run of 2 x v6e 2x4. Every other line passes unchanged; a partial
+    line is passed on after ``flush_after_s`` without more output, and what is left at
+    exit is written out. Once per process; returns whether this call installed it.
+    """
+    global _stdout_filtered
+    if _stdout_filtered:
+        return False
+    import select
+    import sys
+
+    sys.stdout.flush()
+    read_end, write_end = os.pipe()
+    original = os.dup(1)
+    os.dup2(write_end, 1)
+    os.close(write_end)
+    _stdout_filtered = True
+
+    def write(data: bytes) -> None:
+        while data:
+            data = data[os.write(original, data):]
+
+    def pump() -> None:
+        poller, pending = select.poll(), b""
+        poller.register(read_end, select.POLLIN)
+        while True:
+            if not poller.poll(flush_after_s * 1000 if pending else None):
+                write(pending)  # a partial line, and nothing more for a while
+                pending = b""
+                continue
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                write(pending)
+                return
+            *lines, pending = (pending + chunk).split(b"\n")
+            write(b"".join(line + b"\n" for line in lines if not line.startswith(prefix)))
+
+    import atexit
+    import threading
+
+    thread = threading.Thread(target=pump, name="pathways-ray-stdout", daemon=True)
+    thread.start()
+
+    def restore() -> None:  # at exit: the pipe's last bytes still reach the real stdout
+        sys.stdout.flush()
+        os.dup2(original, 1)  # closes the pipe's only write end: the pump reads its end
+        thread.join(timeout=2.0)
+
+    atexit.register(restore)
+    return True

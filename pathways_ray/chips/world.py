@@ -13,6 +13,7 @@ import numpy as np
 from pathways_ray.chips.executor import Executor
 from pathways_ray.chips.worker_env import (
     cpu_env,
+    drop_stdout_lines,
     network_proxy_vars,
     one_cpu_while,
     tpu_multiprocess_env,
@@ -48,6 +49,7 @@ class JaxWorld:
         start, count = slice_devices or (0, num_processes)
         if self.info.platform == "cpu":
             env = cpu_env(os.environ)
+            drop_stdout_lines()  # gloo's "[Gloo] Rank N is connected to ..." on every chip
         else:
             env = tpu_multiprocess_env(
                 rank=rank - start, chip=self.info.chip,

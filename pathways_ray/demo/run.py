@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pathways_ray._ui import fleet_progress
+from pathways_ray._ui import fleet_progress, make_console
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.emulation.local_fleet import LocalFleet
 from pathways_ray.observability.status import collect_status, render_status
@@ -56,7 +56,7 @@ def run_demo(
     from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
     from pathways_ray.elastic.data_parallel import DataParallelTrainer
 
-    console = console or Console()
+    console = console or make_console()
     topo = Topology.parse(accelerator, topology, chips_per_host=chips_per_host)
     if steps < 1:
         raise ValueError(f"steps={steps} must be at least 1")
