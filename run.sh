@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for people and CI:
 #   ./run.sh demo [flags]    set up .venv if needed, run the main job on a local emulated fleet
-#   ./run.sh test [pytest args]  set up .venv if needed, lint, run the tests
+#   ./run.sh test [pytest args]  set up .venv if needed, lint, run the tests (CI runs this)
+#   ./run.sh test --fast [args]  the fast tier: pure logic and one small fleet smoke test
+#   ./run.sh docs                build the documentation site into site/ (--strict)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -66,12 +68,31 @@ case "$cmd" in
     ;;
   test)
     setup full
-    slurm
+    args=()
+    fast=false
+    for a in "$@"; do
+      if [ "$a" = --fast ]; then fast=true; else args+=("$a"); fi
+    done
+    if $fast; then
+      # Pure logic (milliseconds a test) and the smoke test's one small fleet.
+      args=(-m "not slow or smoke" "${args[@]}")
+    else
+      slurm
+    fi
     "$VENV/bin/ruff" check .
-    exec "$VENV/bin/python" -m pytest "$@"
+    start=$SECONDS
+    rc=0
+    "$VENV/bin/python" -m pytest "${args[@]}" || rc=$?
+    echo "suite: $((SECONDS - start)) s of tests ($($fast && echo fast tier || echo full suite))"
+    exit $rc
+    ;;
+  docs)
+    setup full
+    "$VENV/bin/mkdocs" build --strict --site-dir site "$@"
+    echo "docs: open site/index.html"
     ;;
   *)
-    echo "usage: ./run.sh demo [flags] | ./run.sh test [pytest args]" >&2
+    echo "usage: ./run.sh demo [flags] | ./run.sh test [--fast] [pytest args] | ./run.sh docs" >&2
     exit 2
     ;;
 esac

@@ -55,6 +55,10 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service-account", default=None)
     p.add_argument("--env", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for every container (repeatable)")
+    p.add_argument("--compilation-cache", default=None, metavar="gs://BUCKET/DIR | pvc:CLAIM",
+                   help="compiled programs shared by every host and job: a bucket path (the "
+                        "image needs pathways-ray[gcs]) or a ReadWriteMany volume claim, "
+                        "mounted at /xla-cache (default: each pod's local disk)")
 
 
 def _config(args):
@@ -67,7 +71,7 @@ def _config(args):
         image=args.image or DEFAULT_IMAGE, ray_version=args.ray_version or DEFAULT_RAY_VERSION,
         head_cpu=args.head_cpu, head_memory=args.head_memory, worker_cpu=args.worker_cpu,
         worker_memory=args.worker_memory, env=dict(args.env),
-        service_account=args.service_account,
+        service_account=args.service_account, compilation_cache=args.compilation_cache,
     )
 
 

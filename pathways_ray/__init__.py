@@ -35,8 +35,8 @@ _LAZY = {
     "LocalFleet": "pathways_ray.emulation.local_fleet",
     "cluster_or_local": "pathways_ray.emulation.local_fleet",
     "Slice": "pathways_ray.chips.slice",
-    "Host": "pathways_ray.client.sidecar",
-    "HostArray": "pathways_ray.client.sidecar",
+    "Host": "pathways_ray.chips.sidecar_host",
+    "HostArray": "pathways_ray.chips.sidecar_host",
     "HostFeed": "pathways_ray.elastic.feed",
 }
 # Names of earlier releases, still served from their modules; not in __all__.

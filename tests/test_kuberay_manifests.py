@@ -328,3 +328,47 @@ def test_every_pod_runs_ray_serve_in_its_high_throughput_mode_unless_told_otherw
     told = ray_cluster(ClusterConfig(**cfg, env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}))
     for env in envs(told):
         assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+
+
+@pytest.mark.parametrize("kind", ["cluster", "job", "service"])
+def test_the_cli_renders_a_team_compilation_cache(kind, capsys):
+    """`pathways-ray k8s render KIND --compilation-cache gs://…|pvc:…` reaches every pod
+    and passes the CRD schemas; a bad value fails with ClusterConfig's own error."""
+    from pathways_ray.cli.main import main
+    from pathways_ray.config import CACHE_ENV
+
+    base = ["k8s", "render", kind, "--name", "c", "--accelerator", "v6e", "--topology", "4x4"]
+    if kind == "service":
+        base += ["--model", "Qwen/Qwen3-30B-A3B"]
+    for cache in ("gs://team-bucket/xla", "pvc:xla-cache"):
+        assert main([*base, "--compilation-cache", cache]) == 0
+        doc = yaml.safe_load(capsys.readouterr().out)
+        validate(doc)
+        text = json.dumps(doc)
+        assert f'"name": "{CACHE_ENV}"' in text
+        assert (cache in text) if cache.startswith("gs://") else '"claimName": "xla-cache"' in text
+    with pytest.raises(SystemExit) as exit_:
+        main([*base, "--compilation-cache", "/tmp/c"])
+    assert exit_.value.code == 2
+    assert "compilation_cache='/tmp/c' must be a bucket path" in capsys.readouterr().err
+
+
+def test_every_subcommand_names_the_local_fleet_the_same_way():
+    """Where `--name` names the fleet (up, status, chaos, down) it is `--name`; every other
+    subcommand that can reach a local fleet takes `--fleet`, and no `--fleet-name`."""
+    import argparse
+
+    from pathways_ray.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    fleet_is_the_subject = {"up", "status", "chaos", "down"}
+    seen = {}
+    for name, parser in sub.choices.items():
+        flags = {o for a in parser._actions for o in a.option_strings}
+        seen[name] = flags
+        assert "--fleet-name" not in flags, name
+        if name not in fleet_is_the_subject and "--address" in flags:
+            assert "--fleet" in flags, f"`pathways-ray {name}` reaches a fleet without --fleet"
+            help_text = next(a.help for a in parser._actions if "--fleet" in a.option_strings)
+            assert "pathways-ray up --name" in help_text, help_text
+    assert {"service", "serve"} <= {n for n, f in seen.items() if "--fleet" in f}

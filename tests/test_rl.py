@@ -18,6 +18,8 @@ import ray
 from pathways_ray import LocalFleet, SliceLost, connect
 from pathways_ray.demo.rl import RLConfig, RLLoop, chain_logprobs, greedy_reward
 
+pytestmark = pytest.mark.slow
+
 ITERATIONS = 30
 
 

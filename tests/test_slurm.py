@@ -182,6 +182,7 @@ def _wait_until(cond, timeout_s: float, what: str):
     return wait_until(cond, timeout_s, what, every_s=1)
 
 
+@pytest.mark.slow
 def test_sbatch_runs_the_demo_training_to_completion(slurm):
     env, d = slurm
     temp_before = _ray_temp_dirs()
@@ -197,6 +198,7 @@ def test_sbatch_runs_the_demo_training_to_completion(slurm):
     assert not _ray_temp_dirs() - temp_before, "the node helpers left Ray's temp dirs behind"
 
 
+@pytest.mark.slow
 def test_scancel_mid_run_leaves_no_ray_process(slurm):
     env, d = slurm
     job_id, log = _job(env, d, steps=100_000)
