@@ -102,8 +102,10 @@ LAYERS = {
     "storage": _RUNTIME[:9],
     "elastic": _RUNTIME[:10],
     "emulation": _RUNTIME,
+    # the IFRT proxy server: a client of the runtime, for unmodified JAX programs
+    "proxy": _RUNTIME,
     # the apps: the CLI, the demo and the hooks for tests may use the emulated fleet
-    "cli": (*_RUNTIME, "emulation", "demo"),
+    "cli": (*_RUNTIME, "emulation", "demo", "proxy"),
     "demo": (*_RUNTIME, "emulation"),
     "testing": _RUNTIME,
     "package": _RUNTIME,  # pathways_ray/__init__.py: the public names, loaded lazily
@@ -175,12 +177,14 @@ def test_layers():
 
 
 def test_no_runtime_module_is_long_and_no_folder_crowded():
-    """Modules of one job: none in the runtime over ~400 lines, no folder over 12."""
+    """Modules of one job: none in the runtime over ~400 lines, no folder over 12 (the
+    generated protocol stubs of ``proxy/protos`` aside)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "pathways_ray"
+    generated = root / "proxy" / "protos"
     long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 420}
+            if generated not in p.parents and (n := len(p.read_text().splitlines())) > 420}
     assert long == {}
     crowded = {str(d.relative_to(root)): n for d in [root, *root.iterdir()] if d.is_dir()
                and (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > 12}

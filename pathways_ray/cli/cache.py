@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from pathways_ray.cli.common import (
-    console,
-)
+from pathways_ray.cli.common import console
 
 
 def register(sub) -> dict:

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-from pathways_ray.cli.common import (
-    connect_for_status,
-    console,
-    err,
-    fleet_args,
-    topology_of,
-)
+from pathways_ray.cli.common import connect_for_status, console, err, fleet_args, topology_of
 from pathways_ray.errors import PathwaysError
 
 CHAOS_ACTIONS = {"kill-host": "killed", "freeze-host": "froze", "thaw-host": "thawed",

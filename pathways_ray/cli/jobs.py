@@ -7,13 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from pathways_ray.cli.common import (
-    console,
-    err,
-    fleet_args,
-    positive_int,
-    topology_of,
-)
+from pathways_ray.cli.common import console, err, fleet_args, positive_int, topology_of
 
 
 def register(sub) -> dict:

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pathways_ray.cli.common import (
-    connect_for_status,
-    console,
-    err,
-)
+from pathways_ray.cli.common import connect_for_status, console, err
 from pathways_ray.clusters.topology import Topology
 
 

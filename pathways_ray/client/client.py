@@ -79,6 +79,13 @@ class Client(Results, Resharding):
 
             self._session_profile = Profile(self, os.environ[PROFILE_ENV]).start()
 
+    def describe(self) -> list[dict]:
+        """What the controller holds now, slice by slice: ``name``, ``topology``,
+        ``chips``, ``platform`` ("tpu", or "cpu" on the emulated fleet) and ``workers``,
+        each ``(rank, TPU worker id, chip)`` in rank order."""
+        return [{k: v for k, v in d.items() if k != "placement_groups"}
+                for d in self._call("describe")]
+
     @property
     def lease(self) -> str | None:
         """The id of this client's lease of a shared service (None: a private client)."""

@@ -153,6 +153,7 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth):
         return [{"name": s.name, "topology": str(s.topology), "chips": s.num_chips,
                  "chips_per_host": s.topology.chips_per_host,
                  "workers": [(w.rank, w.info.worker_id, w.info.chip) for w in s.workers],
+                 "platform": s.workers[0].info.platform,
                  "placement_groups": s.placement_group_ids}
                 for s in live]
 

@@ -1,0 +1,110 @@
+"""The IFRT proxy's pure parts (``pathways_ray.proxy``): the protocol stubs are this
+jaxlib's, versions are negotiated or refused by name, devices carry what JAX and
+pathwaysutils read, and a session answers every request (an error by name for what
+it does not serve). No Ray, no fleet."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pathways_ray.clusters.topology import Topology
+from pathways_ray.proxy import versions
+from pathways_ray.proxy.devices import plan_devices
+from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
+from pathways_ray.proxy.server import UNIMPLEMENTED, Session, init_response
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_checked_in_stubs_are_what_this_jaxlib_speaks():
+    """Regenerated from the descriptors inside jaxlib with grpcio-tools, they are the
+    checked-in files byte for byte."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_ifrt_proxy_protos.py"),
+                          "--check"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_versions_are_negotiated_or_refused_naming_both_ranges():
+    assert versions.negotiate(16, 25) == 25  # jaxlib 0.10.2's own client
+    assert versions.negotiate(10, 18) == 18
+    assert versions.negotiate(20, 40) == versions.MAX_VERSION
+    with pytest.raises(versions.VersionMismatch, match=r"versions 3\.\.5, .* 16\.\.25"):
+        versions.negotiate(3, 5)
+    with pytest.raises(versions.VersionMismatch, match=r"30\.\.40"):
+        versions.negotiate(30, 40)
+    with pytest.raises(versions.VersionMismatch, match="empty range"):
+        versions.negotiate(20, 18)
+
+
+def _described(platform="cpu"):
+    topo = Topology.of("v6e-2x2")
+    return [{"name": f"s{i}", "topology": topo, "platform": platform,
+             "workers": [(r, 0, r) for r in (3, 1, 0, 2)]} for i in range(2)]
+
+
+def test_devices_run_over_the_slices_with_their_slice_index_and_coords():
+    devices = plan_devices(_described())
+    assert [d.id for d in devices] == list(range(8))
+    assert [d.slice_index for d in devices] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [d.rank for d in devices[:4]] == [0, 1, 2, 3]  # rank order, not worker order
+    assert [d.coords for d in devices[:4]] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    assert {d.device_kind for d in devices} == {"cpu"}
+    assert {d.device_kind for d in plan_devices(_described("tpu"))} == {"TPU v6 lite"}
+    with pytest.raises(ValueError, match="platform='gpu' of slice s0"):
+        plan_devices(_described("gpu"))
+
+
+def test_the_init_response_says_what_jax_reads():
+    resp = init_response(7, plan_devices(_described()))
+    assert resp.session_id == 7 and resp.platform_name == "cpu"
+    assert list(resp.addressable_device_ids) == list(range(8))
+    d = resp.all_devices[5]
+    attrs = d.attributes.attributes
+    assert attrs["slice_index"].int64_value == 1
+    assert list(attrs["coords"].int64_list_value.elements) == [1, 0, 0]
+    assert attrs["core_on_chip"].int64_value == 0
+    assert list(d.memory_ids) == [5] and d.default_memory_id == 5
+    assert resp.memories[5].memory_space_kind == "unpinned_host"
+    assert "slice 1 s1" in d.debug_string
+
+
+class _FakeClient:
+    """What a session asks of its ``Client``: only ``describe`` and ``close``."""
+
+    closed = False
+
+    def describe(self):
+        return [{**d, "topology": "v6e-2x2"} for d in _described()]
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_session_answers_every_request_and_names_what_it_does_not_serve():
+    client = _FakeClient()
+    session = Session(1, 25, lambda: client)
+    init = session.handle(ifrt_pb2.IfrtRequest(
+        request_metadata=ifrt_pb2.RequestMetadata(op_id=1), init_request={}))
+    assert init.response_metadata.op_id == 1 and len(init.init_response.all_devices) == 8
+    put = session.handle(ifrt_pb2.IfrtRequest(
+        request_metadata=ifrt_pb2.RequestMetadata(op_id=2),
+        make_array_from_host_buffer_request={}))
+    assert put.response_metadata.op_id == 2
+    assert put.response_metadata.status.code == UNIMPLEMENTED
+    assert "make_array_from_host_buffer_request" in put.response_metadata.status.message
+    session.close()
+    assert client.closed
+
+
+def test_a_session_whose_slices_cannot_be_had_says_why():
+    def no_slices():
+        raise RuntimeError("no free TPU slice in the cluster to reserve")
+
+    resp = Session(2, 25, no_slices).handle(ifrt_pb2.IfrtRequest(
+        request_metadata=ifrt_pb2.RequestMetadata(op_id=1), init_request={}))
+    assert resp.response_metadata.status.code != 0
+    assert "no free TPU slice" in resp.response_metadata.status.message
