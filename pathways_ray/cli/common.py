@@ -12,7 +12,8 @@ from pathways_ray._ui import make_console
 from pathways_ray.clusters.topology import GENERATIONS, Topology
 from pathways_ray.errors import PathwaysError
 
-__all__ = ["connect_for_status", "console", "err", "fleet_args", "positive_int", "topology_of"]
+__all__ = ["cluster_flags", "connect_for_status", "console", "err", "fleet_args", "positive_int",
+           "topology_of"]
 
 console = make_console()
 err = make_console(stderr=True)
@@ -49,6 +50,16 @@ def topology_of(args) -> Topology:
         # a generation alone; a pod type such as v6e-16 implies its own shape
         topology = getattr(args, "default_topology", "2x4")
     return Topology.parse(args.accelerator, topology, chips_per_host=args.chips_per_host)
+
+
+def cluster_flags(p: argparse.ArgumentParser) -> None:
+    """``--address`` and ``--fleet``: which cluster a command whose ``--name`` names
+    something else reaches (``connect_for_status(args, name=args.fleet)``)."""
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (default: $RAY_ADDRESS, else the local fleet)")
+    p.add_argument("--fleet", default=None,
+                   help="the local fleet (its `pathways-ray up --name`), when several are "
+                   "running")
 
 
 def connect_for_status(args):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import threading
 
-from pathways_ray.cli.common import connect_for_status, console, err
+from pathways_ray.cli.common import cluster_flags, connect_for_status, console, err
 from pathways_ray.clusters.topology import Topology
 
 
@@ -41,11 +41,7 @@ def register(sub) -> dict:
                    help="the address to listen on (default 127.0.0.1; the gRPC is plain: "
                    "put anything else behind the cluster's network controls)")
     p.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster address (default: $RAY_ADDRESS, else the local fleet)")
-    p.add_argument("--fleet", default=None,
-                   help="the local fleet (its `pathways-ray up --name`), when several are "
-                   "running")
+    cluster_flags(p)
     return {"proxy": cmd_proxy}
 
 

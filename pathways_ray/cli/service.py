@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pathways_ray.cli.common import connect_for_status, console, err
+from pathways_ray.cli.common import cluster_flags, connect_for_status, console, err
 from pathways_ray.clusters.topology import Topology
 
 
@@ -23,11 +23,7 @@ def register(sub) -> dict:
     svc.add_argument("--slices", default=None, metavar="SHAPES",
                      help="the pool, comma-separated (e.g. v6e-2x2,v6e-2x2; default: every "
                      "free slice of the cluster)")
-    svc.add_argument("--address", default=None,
-                     help="Ray cluster address (default: $RAY_ADDRESS, else the local fleet)")
-    svc.add_argument("--fleet", default=None,
-                     help="the local fleet (its `pathways-ray up --name`), when several are "
-                     "running")
+    cluster_flags(svc)
     svc.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                      help="status: redraw every SECONDS until Ctrl-C")
     return {"service": cmd_service}
