@@ -96,6 +96,7 @@ class Session:
         self._connect = connect
         self.client = None
         self.devices: list[ProxyDevice] = []
+        self._closing = threading.Lock()
 
     def handle(self, request: ifrt_pb2.IfrtRequest) -> ifrt_pb2.IfrtResponse:
         kind = request.WhichOneof("request")
@@ -131,9 +132,14 @@ class Session:
         return init_response(self.id, self.devices)
 
     def close(self) -> None:
-        if self.client is not None:
-            client, self.client = self.client, None
-            client.close()
+        """Close the session's client (its controller, its slices); idempotent, and a
+        second caller waits until the first has finished."""
+        with self._closing:
+            if self.client is not None:
+                try:
+                    self.client.close()
+                finally:
+                    self.client = None
 
 
 class _Service(grpc_service.GrpcIfrtServiceServicer):
@@ -182,13 +188,14 @@ class _Service(grpc_service.GrpcIfrtServiceServicer):
             for request in request_iterator:
                 yield session.handle(request)
         finally:
-            with self._lock:
-                self.sessions.pop(session.id, None)
+            # Closed before it leaves the book: ProxyServer.stop() waits for it there.
             try:
                 session.close()
             except Exception:  # noqa: BLE001 - the next session must still be served
                 logger.warning("session %d: closing its client failed", session.id,
                                exc_info=True)
+            with self._lock:
+                self.sessions.pop(session.id, None)
             logger.info("session %d closed", session.id)
 
 
@@ -238,10 +245,19 @@ class ProxyServer:
         return self.address
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop serving; every open session's client closes and releases its slices."""
+        """Stop serving; returns once every session's client has closed and released
+        its slices (one closing as its stream ends is waited for, not raced)."""
         self._server.stop(grace_s).wait(grace_s + 5)
-        for session in list(self._service.sessions.values()):
-            session.close()
+        with self._service._lock:
+            open_sessions = list(self._service.sessions.values())
+        for session in open_sessions:
+            try:
+                session.close()
+            except Exception:  # noqa: BLE001 - the others must still be closed
+                logger.warning("session %d: closing its client failed", session.id,
+                               exc_info=True)
+            with self._service._lock:
+                self._service.sessions.pop(session.id, None)
 
     def __enter__(self) -> ProxyServer:
         self.start()
