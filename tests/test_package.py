@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_import_is_light_and_core_never_imports_the_optional_parts():
@@ -121,11 +122,19 @@ EMULATION_USERS = {"serve/cli.py", "trainers/cli.py"}
 
 def _subsystem(name: str) -> str | None:
     """The subsystem of a dotted module name of this project (None: not ours)."""
+    import pathways_ray
+
     parts = name.split(".")
     if parts[0] != "pathways_ray":
         return None
     if len(parts) == 1 or parts[1] in BASE:
         return "base"
+    root = Path(pathways_ray.__file__).parent
+    mapped = ("trainers", "serve", "kuberay")  # package-dir: their own top-level folders
+    if parts[1] not in mapped and not (root / parts[1]).is_dir() and not (
+            root / f"{parts[1]}.py").exists():
+        # a public name (`from pathways_ray import LocalFleet`): where it is defined
+        return _subsystem(getattr(pathways_ray, parts[1]).__module__)
     return "testing" if parts[1] == "testing" else parts[1]
 
 

@@ -147,7 +147,6 @@ class JaxWorld:
             self._mesh = None
 
 
-
 def _prepare_exported_calls() -> None:
     """Lower one tiny exported program, so the first real one does not pay JAX's
     one-time set-up of calling exported programs.

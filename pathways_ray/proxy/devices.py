@@ -2,7 +2,9 @@
 
 Each chip becomes an IFRT device with the attributes JAX, pathwaysutils and MaxText
 read: ``slice_index`` (which slice; pathwaysutils' elastic code groups devices by
-it), ``coords`` (the chip's place in its slice's grid), ``core_on_chip`` and the
+it), ``coords`` (the chip's place in its slice's grid, from its rank, x fastest:
+exact for a single-host slice; a multi-host slice's hosts own blocks of the grid,
+which this does not model yet), ``core_on_chip`` and the
 TPU worker (``worker_id``, the host within the slice). Device ids run over the
 slices in order, chip after chip, so ``jax.devices()[4 * k: 4 * k + 4]`` is slice
 ``k`` of 2x2 slices. On TPU slices the platform is "tpu"; on the emulated fleet it
