@@ -120,3 +120,46 @@ def test_the_readme_example_runs_as_written(exports):
     loss, moved = out.stdout.strip().splitlines()[-2:]
     assert abs(float(loss) - np.tanh(512.0)) < 1e-6, out.stdout
     assert moved.split()[0] != "" and float(moved.split()[1]) == 512 * 512, out.stdout
+
+
+_DEVICES = """
+import jax, pathwaysutils
+pathwaysutils.initialize()
+print("devices", len(jax.devices()), sorted({d.slice_index for d in jax.devices()}))
+"""
+
+
+def test_the_proxy_command_serves_plain_jax_and_sigterm_stops_it(exports):
+    """`pathways-ray proxy` on the fleet `up` started: it prints the exports, a plain JAX
+    script with only those sees its session's chips, and SIGTERM (what Kubernetes
+    sends) stops the server and its sessions like Ctrl-C."""
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen(CLI + ["proxy", "--slices", "v6e-2x2:1", "--fleet", NAME],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(exports))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS" in ln for ln in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        proxy = dict(ln.strip()[len("export "):].split("=", 1) for ln in lines
+                     if ln.strip().startswith("export "))
+        env = {k: v for k, v in _env(None).items() if not k.startswith(("JAX_", "XLA_"))}
+        out = subprocess.run([sys.executable, "-c", _DEVICES], capture_output=True, text=True,
+                             timeout=300, env={**env, **proxy})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "devices 4 [0]" in out.stdout, out.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130, "".join(lines)
+        reader.join(timeout=10)
+        assert "interrupted" in "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
