@@ -1,19 +1,24 @@
-"""Unmodified JAX through the IFRT proxy (``pathways_ray.proxy``), step 1: sessions and
-devices. A plain JAX script, no ``pathways_ray`` import, only environment variables
-and ``pathwaysutils.initialize()``, sees one device per chip of 2 emulated v6e 2x2
-slices; what is not served yet fails with a named error, and the server keeps
-serving."""
+"""Unmodified JAX through the IFRT proxy (``pathways_ray.proxy``) on 2 emulated v6e 2x2
+slices. Plain JAX scripts (``proxy_scripts.py``: no ``pathways_ray`` import, only
+environment variables and ``pathwaysutils.initialize()``) see one device per chip,
+train with the losses of 4 local CPU devices while another program runs on the other
+slice, move an array between slices chip to chip, and meet a killed host as
+``DATA_LOSS`` naming the slice; bad input fails by name and the server keeps serving."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 
 import grpc
+import numpy as np
 import pytest
 
 from pathways_ray.proxy import versions
+from tests import proxy_scripts
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -29,10 +34,9 @@ print(json.dumps({"backend": jax.default_backend(), "n": len(devices),
                   "kinds": sorted({d.device_kind for d in devices}),
                   "coords": [list(d.coords) for d in devices[:4]]}))
 sys.stdout.flush()
-if sys.argv[1:] == ["put"]:
-    import numpy as np
+if sys.argv[1:] == ["callback"]:
     try:
-        jax.device_put(np.ones(4, np.float32), devices[0]).block_until_ready()
+        jax.jit(lambda a: jax.debug.print("a={a}", a=a) or a)(1.0).block_until_ready()
     except Exception as e:
         print("ERROR", type(e).__name__, e)
 """
@@ -44,8 +48,9 @@ def proxy():
     from pathways_ray.proxy.server import ProxyServer
 
     with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tproxy",
-                    log_to_driver=False):
+                    log_to_driver=False) as fleet:
         server = ProxyServer(["v6e-2x2", "v6e-2x2"])
+        server.fleet = fleet
         server.start()
         try:
             yield server
@@ -59,14 +64,28 @@ def proxy():
     assert not ray.is_initialized()
 
 
-def _plain_jax(server, *args, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    """Run the plain JAX script as a user would: only the server's exports set, no
-    Ray settings (the script never talks to Ray)."""
+def _env(server=None) -> dict:
+    """A user's environment: the server's exports only (the script never talks to
+    Ray), or without a server 4 local CPU devices, the reference run."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RAY_", "XLA_FLAGS", "JAX_"))}
-    env.update(server.exports, PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS="60")
+    if server is None:
+        return {**env, "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    return {**env, **server.exports, "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS": "60"}
+
+
+def _plain_jax(server, *args, timeout_s: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", PLAIN_JAX, *args], capture_output=True,
-                          text=True, timeout=timeout_s, env=env)
+                          text=True, timeout=timeout_s, env=_env(server))
+
+
+def _script(source: str, server=None, timeout_s: float = 300) -> dict:
+    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
+                         timeout=timeout_s, env=_env(server))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line.removeprefix("RESULT"))
 
 
 def test_plain_jax_sees_one_device_per_chip_of_both_slices(proxy):
@@ -83,15 +102,47 @@ def test_plain_jax_sees_one_device_per_chip_of_both_slices(proxy):
     wait_until(lambda: proxy.sessions == 0, 60, "the session did not close after its script")
 
 
-def test_what_is_not_served_yet_fails_by_name_and_the_server_keeps_serving(proxy):
-    out = _plain_jax(proxy, "put")
+def test_a_plain_jax_training_script_runs_unchanged_with_local_losses(proxy):
+    """20 jit steps with NamedSharding on slice 0's mesh give the losses of the same
+    script on 4 local CPU devices; another program runs on slice 1 meanwhile; a 4 MiB
+    array made on slice 0 goes to slice 1 chip to chip: not one of its bytes passes
+    through the proxy."""
+    before = proxy.stats()
+    got = _script(proxy_scripts.TRAIN, proxy)
+    after = proxy.stats()
+    want = _script(proxy_scripts.TRAIN)
+    assert got["n"] == 8 and got["slices"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got["z"], want["z"], rtol=1e-6)
+    assert got["step_on"] == [0, 1, 2, 3] and got["z_on"] == [4, 5, 6, 7]
+    assert got["moved_on"] == [4, 5, 6, 7] and got["total"] == want["total"]
+    through = {k: after[k] - before[k] for k in after}
+    assert through["sessions"] == 1
+    # The script's own puts and reads are a few KiB; the 4 MiB array is not among them.
+    assert through["host_bytes_in"] + through["host_bytes_out"] < 64 << 10, through
+    assert through["put_bytes"] + through["fetched_bytes"] < 64 << 10, through
+
+
+def test_what_is_not_served_fails_by_name_and_the_server_keeps_serving(proxy):
+    out = _plain_jax(proxy, "callback")
     assert out.returncode == 0, out.stdout + out.stderr
     error = next(ln for ln in out.stdout.splitlines() if ln.startswith("ERROR"))
-    assert "JaxRuntimeError" in error or "XlaRuntimeError" in error, error
-    # The put itself is asynchronous; the first call that waits on it reports the error.
-    assert "UNIMPLEMENTED" in error and "does not serve" in error, error
+    assert "JaxRuntimeError" in error and "UNIMPLEMENTED" in error, error
+    assert "host callbacks" in error, error
     again = _plain_jax(proxy)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_a_program_across_slices_is_refused_naming_them(proxy):
+    out = subprocess.run([sys.executable, "-c", proxy_scripts.ACROSS], capture_output=True,
+                         text=True, timeout=240, env=_env(proxy))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = json.loads(next(ln for ln in out.stdout.splitlines()
+                          if ln.startswith("RESULT")).removeprefix("RESULT"))
+    assert got["type"] == "JaxRuntimeError", got
+    assert "spans devices of slices" in got["error"] and "one slice" in got["error"], got
+    assert any(ln.startswith("OK") for ln in out.stdout.splitlines())
 
 
 def test_a_client_outside_the_protocol_versions_is_refused_naming_both_ranges(proxy):
@@ -121,3 +172,31 @@ def test_a_client_outside_the_protocol_versions_is_refused_naming_both_ranges(pr
         assert "3..5" in refused.value.details()
         assert f"{versions.MIN_VERSION}..{versions.MAX_VERSION}" in refused.value.details()
         assert ask(16, 30).version.protocol_version == versions.MAX_VERSION
+
+
+def test_a_killed_host_is_data_loss_naming_the_slice_and_the_other_slice_answers(proxy):
+    """Last in this module: it takes a host of the fleet away (and brings it back)."""
+    proc = subprocess.Popen([sys.executable, "-c", proxy_scripts.LOSS], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(proxy))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: sum(ln.startswith("STEP") for ln in lines) >= 3, 180,
+                   "the script did not start training")
+        victim = next(ln.split()[1] for ln in lines if ln.startswith("SLICE0"))
+        proxy.fleet.remove_host(victim, 0)
+        assert proc.wait(timeout=240) == 0, "".join(lines[-20:]) + proc.stderr.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(10)
+    got = json.loads(next(ln for ln in lines if ln.startswith("RESULT"))
+                     .removeprefix("RESULT"))
+    assert got["type"] == "JaxRuntimeError" and "DATA_LOSS" in got["error"], got
+    assert victim in got["error"] and f"{victim}/0" in got["error"], got
+    assert got["slice_down"] is True  # pathwaysutils.elastic's own reading of it
+    assert "DATA_LOSS" in got["read_lost"]  # an array on the lost slice is gone, by name
+    assert len(got["other"]) == 32  # slice 1 keeps answering
+    assert got["active"] == [1]
+    proxy.fleet.restore_host(victim, 0)

@@ -14,8 +14,9 @@ import pytest
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.proxy import versions
 from pathways_ray.proxy.devices import plan_devices
+from pathways_ray.proxy.init import init_response
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
-from pathways_ray.proxy.server import UNIMPLEMENTED, Session, init_response
+from pathways_ray.proxy.session import NOT_FOUND, UNIMPLEMENTED, Session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +69,7 @@ def test_the_init_response_says_what_jax_reads():
     assert list(attrs["coords"].int64_list_value.elements) == [1, 0, 0]
     assert attrs["core_on_chip"].int64_value == 0
     assert list(d.memory_ids) == [5] and d.default_memory_id == 5
-    assert resp.memories[5].memory_space_kind == "unpinned_host"
+    assert resp.memories[5].memory_space_kind == "device"  # as JAX's own CPU devices
     assert "slice 1 s1" in d.debug_string
 
 
@@ -78,7 +79,7 @@ class _FakeClient:
     closed = False
 
     def describe(self):
-        return [{**d, "topology": "v6e-2x2"} for d in _described()]
+        return [{**d, "topology": "v6e-2x2", "chips": 4} for d in _described()]
 
     def close(self):
         self.closed = True
@@ -90,12 +91,18 @@ def test_a_session_answers_every_request_and_names_what_it_does_not_serve():
     init = session.handle(ifrt_pb2.IfrtRequest(
         request_metadata=ifrt_pb2.RequestMetadata(op_id=1), init_request={}))
     assert init.response_metadata.op_id == 1 and len(init.init_response.all_devices) == 8
-    put = session.handle(ifrt_pb2.IfrtRequest(
+    poll = session.handle(ifrt_pb2.IfrtRequest(
         request_metadata=ifrt_pb2.RequestMetadata(op_id=2),
-        make_array_from_host_buffer_request={}))
-    assert put.response_metadata.op_id == 2
-    assert put.response_metadata.status.code == UNIMPLEMENTED
-    assert "make_array_from_host_buffer_request" in put.response_metadata.status.message
+        loaded_host_callback_poll_request={}))
+    assert poll.response_metadata.op_id == 2
+    assert poll.response_metadata.status.code == UNIMPLEMENTED
+    assert "loaded_host_callback_poll_request" in poll.response_metadata.status.message
+    # Another session's (or a made-up) handle is unknown here, by name.
+    fetch = session.handle(ifrt_pb2.IfrtRequest(
+        request_metadata=ifrt_pb2.RequestMetadata(op_id=3),
+        copy_to_host_buffer_request={"array_handle": 12345, "host_buffer_handle": 7}))
+    assert fetch.response_metadata.status.code == NOT_FOUND
+    assert "unknown array handle 12345" in fetch.response_metadata.status.message
     session.close()
     assert client.closed
 

@@ -24,7 +24,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from pathways_ray.chips.checkpoints import Checkpoints
 from pathways_ray.errors import PathwaysError, RemoteError
+from pathways_ray.programs.hlo_program import HloProgram, is_hlo_blob
 from pathways_ray.programs.sharding import MeshShape, Spec, shard_slices
 from pathways_ray.transport.commands import (
     Command,
@@ -110,7 +112,7 @@ def assemble(index: tuple[slice, ...], dtype: str,
     return out
 
 
-class Executor:
+class Executor(Checkpoints):
     """The buffer table and program cache of one chip, in one JAX world."""
 
     def __init__(self, rank: int, pieces: Callable[[int], list[tuple[tuple[slice, ...], object]]],
@@ -149,6 +151,8 @@ class Executor:
             if len(devices) != shape.size or not start <= self.rank < start + shape.size:
                 raise ValueError(f"mesh {shape} at device {start} does not fit this chip's "
                                  f"world of {len(world)} devices (chip {self.rank})")
+            if shape.devices is not None:  # a layout in another order than the ranks'
+                devices = [devices[r] for r in shape.devices]
             self._meshes[key] = Mesh(np.array(devices).reshape(shape.axis_sizes),
                                      shape.axis_names)
         return self._meshes[key]
@@ -274,6 +278,9 @@ class Executor:
     def _load(self, cmd: Load) -> None:
         if cmd.fingerprint in self.programs:
             return
+        if is_hlo_blob(cmd.blob):  # compiled by Compile, for its placement
+            self.programs[cmd.fingerprint] = HloProgram.from_blob(cmd.blob)
+            return
         import jax
         from jax import export
 
@@ -286,6 +293,9 @@ class Executor:
         program = self.programs.get(cmd.fingerprint)
         if program is None:
             raise KeyError(f"program {cmd.fingerprint} was never loaded on this chip")
+        if isinstance(program, HloProgram):
+            self._compile_hlo(cmd, program)
+            return
         if cmd.fingerprint not in self.compiled:
             t0 = time.monotonic()
             args = [jax.ShapeDtypeStruct(shape, np.dtype(dtype),
@@ -296,6 +306,23 @@ class Executor:
             logger.info("program %s: compiled ahead (or loaded from the cache) in %.2f s",
                         cmd.fingerprint[:12], took)
         self.buffers[cmd.status] = self._scalar(np.int32(1), cmd.mesh, cmd.start)
+
+    def _compile_hlo(self, cmd: Compile, program: HloProgram) -> None:
+        """Its status is the compiled signature (``HloSignature``), as bytes on every chip."""
+        import jax
+
+        from pathways_ray.chips.hlo import compile_hlo
+
+        compiled = self.compiled.get(cmd.fingerprint)
+        if compiled is None:
+            t0 = time.monotonic()
+            compiled = compile_hlo(program, cmd.start, cmd.mesh.size, self.sharding)
+            self.compiled[cmd.fingerprint] = compiled
+            self.first_call_s[cmd.fingerprint] = time.monotonic() - t0
+        data = np.frombuffer(compiled.signature.to_bytes(), dtype=np.uint8)
+        self.buffers[cmd.status] = jax.make_array_from_single_device_arrays(
+            data.shape, self.sharding(cmd.mesh, ((),), cmd.start),
+            [jax.device_put(data, jax.local_devices()[0])])
 
     def _hold(self, cmd: Hold) -> None:
         """Hand this chip's shards to a sidecar call: a copy in host memory, taken at
@@ -338,8 +365,9 @@ class Executor:
                     self.buffers[out_id] = a
                 return
         program = self.compiled.get(cmd.fingerprint) or self.programs.get(cmd.fingerprint)
-        if program is None:
-            raise KeyError(f"program {cmd.fingerprint} was never loaded on this chip")
+        if program is None or isinstance(program, HloProgram):
+            raise KeyError(f"program {cmd.fingerprint} was never "
+                           f"{'compiled' if program else 'loaded'} on this chip")
         import jax
 
         if cmd.fingerprint in self.first_call_s:
@@ -362,47 +390,6 @@ class Executor:
             return
         self.buffers[cmd.dst] = jax.device_put(src, self.sharding(cmd.mesh, cmd.spec,
                                                                   cmd.start))
-
-
-    # ---- checkpoints (Orbax; every chip of the placement takes part) ------------------
-    def _save(self, cmd: Save) -> None:
-        import orbax.checkpoint as ocp
-
-        arrays = [self.get(i) for i in cmd.inputs]
-        for a in arrays:
-            if isinstance(a, Failed):
-                self.buffers[cmd.status] = a
-                return
-        with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(cmd.path, _nest(cmd.keys, arrays))
-            ckpt.wait_until_finished()  # committed on every chip before the status exists
-        self.buffers[cmd.status] = self._scalar(np.int32(len(arrays)), cmd.mesh, cmd.start)
-
-    def _restore(self, cmd: Restore) -> None:
-        import jax
-        import orbax.checkpoint as ocp
-
-        like = [jax.ShapeDtypeStruct(shape, np.dtype(dtype),
-                                     sharding=self.sharding(cmd.mesh, spec, cmd.start))
-                for shape, dtype, spec in zip(cmd.shapes, cmd.dtypes, cmd.specs, strict=True)]
-        with ocp.StandardCheckpointer() as ckpt:
-            tree = ckpt.restore(cmd.path, _nest(cmd.keys, like))
-        for out_id, key in zip(cmd.outputs, cmd.keys, strict=True):
-            value = tree
-            for k in key:
-                value = value[k]
-            self.buffers[out_id] = value
-
-
-def _nest(keys: tuple[tuple[str, ...], ...], values: list) -> dict:
-    """Nested dicts from pytree paths: the tree Orbax writes, and reads back."""
-    out: dict = {}
-    for key, value in zip(keys, values, strict=True):
-        node = out
-        for k in key[:-1]:
-            node = node.setdefault(k, {})
-        node[key[-1]] = value
-    return out
 
 
 def _name(cmd: Command) -> str:

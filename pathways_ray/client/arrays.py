@@ -13,7 +13,7 @@ from pathways_ray.programs.sharding import MeshShape, Spec, normalize_spec
 if TYPE_CHECKING:
     from pathways_ray.client.client import Client
 
-__all__ = ["RemoteArray", "SliceInfo", "spec_of"]
+__all__ = ["Layout", "RemoteArray", "SliceInfo", "spec_of"]
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,21 @@ def _mesh_shape(mesh) -> MeshShape:
     return MeshShape(tuple(mesh.axis_names), tuple(int(n) for n in mesh.axis_sizes))
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A sharding in pathways-ray's own terms, where ``device_put`` and ``reshard`` take a
+    ``NamedSharding``: a mesh over a slice's chips (in any order of them) and a spec.
+    The IFRT proxy places JAX's shardings this way."""
+
+    mesh: MeshShape
+    spec: Spec
+
+
 def spec_of(sharding, ndim: int) -> tuple[MeshShape, Spec]:
     from jax.sharding import NamedSharding
 
+    if isinstance(sharding, Layout):
+        return sharding.mesh, normalize_spec(sharding.spec, ndim, sharding.mesh)
     if not isinstance(sharding, NamedSharding):
         raise TypeError(f"sharding={sharding!r} must be a jax.sharding.NamedSharding over "
                         f"client.mesh(...)")

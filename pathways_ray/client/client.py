@@ -241,20 +241,23 @@ class Client(Results, Resharding):
         return arr
 
     # ---- running ------------------------------------------------------------------
-    def _run(self, program: Program, out_tree, arrays: list[RemoteArray], checked=False):
+    def _run(self, program: Program, out_tree, arrays: list[RemoteArray], checked=False,
+             target: str | None = None):
+        """Run ``program`` on ``arrays`` where they are (on ``target``, for a program
+        without arguments)."""
         import jax
 
         for a in arrays:
             if a._client is not self:
                 self._own(a)
-        target = arrays[0].slice
+        target = target or arrays[0].slice
         if not checked:  # JitFunction matched the signature already; Compiled must check
             program.check_args([a.signature for a in arrays], self._chips[target])
         if program.fingerprint not in self._registered:
             self._controller.register_program.remote(program.fingerprint, program.blob)
             self._registered.add(program.fingerprint)
-        outs = [RemoteArray(self, next(self._ids), target, sig.shape, sig.dtype, program.mesh,
-                            sig.spec) for sig in program.out_sigs]
+        outs = [RemoteArray(self, next(self._ids), target, sig.shape, sig.dtype,
+                            sig.mesh or program.mesh, sig.spec) for sig in program.out_sigs]
         t0 = time.time_ns() if self._spans is not None else 0
         self._queue.enqueue(target, Run(program.fingerprint, tuple(a._id for a in arrays),
                                         tuple(o._id for o in outs)))

@@ -38,6 +38,15 @@ class Results:
         return assemble(full, arr.dtype.name,
                         [(index[r], v) for r, v in zip(firsts, values, strict=True)])
 
+    def _fetch_local(self, arr: RemoteArray, rank: int = 0,
+                     timeout_s: float | None = None) -> np.ndarray:
+        """One chip's buffer as that chip holds it (a compile's status, whose size only
+        the chips know)."""
+        self._sync(arr.slice)
+        refs = self._call("shard_refs", arr.slice, arr._id, [rank], where=arr.slice)
+        return np.asarray(self._worker_results(arr.slice, refs, timeout_s,
+                                               f"fetching {arr!r}")[0])
+
     def _ready(self, slice_name: str, ids: list[int], timeout_s: float | None) -> None:
         self._sync(slice_name)
         refs = self._call("ready", slice_name, ids, where=slice_name)

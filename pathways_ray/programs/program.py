@@ -23,11 +23,13 @@ __all__ = ["ArgSignature", "Program", "export_program"]
 
 @dataclass(frozen=True)
 class ArgSignature:
-    """Shape, dtype and sharding of one flat argument or result."""
+    """Shape, dtype and sharding of one flat argument or result; ``mesh`` where it is
+    not the program's (a result laid out by the compiler, through the IFRT proxy)."""
 
     shape: tuple[int, ...]
     dtype: str
     spec: Spec
+    mesh: MeshShape | None = None
 
     def describe(self) -> str:
         return f"{self.dtype}{list(self.shape)} sharded {_spec_str(self.spec)}"

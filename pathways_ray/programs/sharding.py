@@ -24,10 +24,15 @@ Spec = tuple[tuple[str, ...], ...]  # per array dim: the mesh axes it is split o
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Axis names and sizes of a mesh over the chips of one slice."""
+    """Axis names and sizes of a mesh over the chips of one slice.
+
+    ``devices``: the chips (slice ranks) in the mesh's row-major order when that is
+    not rank order (a layout JAX chose, met through the IFRT proxy); None is rank
+    order, as every mesh made here is."""
 
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
+    devices: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if len(self.axis_names) != len(self.axis_sizes):
@@ -37,6 +42,9 @@ class MeshShape:
             )
         if len(set(self.axis_names)) != len(self.axis_names):
             raise ValueError(f"mesh axis names {self.axis_names} repeat a name")
+        if self.devices is not None and sorted(self.devices) != list(range(self.size)):
+            raise ValueError(f"mesh devices {self.devices} must order the ranks "
+                             f"0..{self.size - 1}, each once")
 
     @property
     def size(self) -> int:
@@ -73,7 +81,8 @@ def normalize_spec(spec: Sequence, ndim: int, mesh: MeshShape) -> Spec:
 
 
 def shard_slices(shape: Sequence[int], mesh: MeshShape, spec: Spec) -> list[tuple[slice, ...]]:
-    """The index each device (rank order) holds of an array of ``shape``."""
+    """The index each device (rank order, whatever the mesh's order) holds of an array
+    of ``shape``."""
     return list(_shard_slices(tuple(shape), mesh, tuple(tuple(axes) for axes in spec)))
 
 
@@ -96,6 +105,11 @@ def _shard_slices(shape: tuple[int, ...], mesh: MeshShape, spec: Spec) -> tuple:
             step = n // parts
             index.append(slice(block * step, (block + 1) * step))
         out.append(tuple(index))
+    if mesh.devices is not None:  # mesh position -> the rank there
+        ranked = [None] * len(out)
+        for position, rank in enumerate(mesh.devices):
+            ranked[rank] = out[position]
+        out = ranked
     return tuple(out)
 
 

@@ -38,8 +38,10 @@ class ProxyDevice:
 
     @property
     def memory_kind(self) -> str:
-        """The memory space a program's arrays live in by default."""
-        return "device" if self.platform == "tpu" else "unpinned_host"
+        """The memory space a program's arrays live in by default: "device" on TPU and on
+        JAX's CPU devices alike (an "unpinned_host" default would make JAX lower host
+        offloading into every program)."""
+        return "device"
 
     def describe(self) -> str:
         return (f"{self.device_kind} {self.id} (slice {self.slice_index} {self.slice_name}, "

@@ -1,38 +1,28 @@
 """``ProxyServer``: jaxlib's IFRT proxy protocol (``GrpcIfrtService``), served in front
-of the single controller.
+of the single controller, so that an unmodified JAX program (``JAX_PLATFORMS=proxy``,
+``pathwaysutils.initialize()``) runs on the fleet.
 
-Every ``IfrtSession`` stream is one client's world: on its ``InitRequest`` the
-session connects a ``Client`` of its own (``pathways_ray.connect``: its own
-controller, arrays, programs and slices, reserved from the fleet or leased from a
-shared service) and answers with one device per chip (``devices.plan_devices``).
-When the stream ends, the session's client closes and its slices go back.
-
-What is served so far: version negotiation, sessions and devices
-(``jax.devices()``, ``slice_index``, meshes over them). Every other request is
-answered with an ``UNIMPLEMENTED`` status that names it, which JAX raises as a
-``JaxRuntimeError`` on the client: nothing hangs, and the session stays up.
+``GetVersion`` negotiates a protocol version (``versions``); each ``IfrtSession``
+stream is one client's world (``session.Session``), with its host buffers on the
+``HostBuffer*`` calls beside it.
 
 Security: the server listens on 127.0.0.1 unless given another host. The gRPC is
 plain (``IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS=true`` on the client; jaxlib reads
-"true" only: "1" still asks for ALTS): keep it on
-loopback, or behind the cluster's own network controls (a Kubernetes
-NetworkPolicy, a private VPC).
+"true" only: "1" still asks for ALTS): keep it on loopback, or behind the cluster's
+own network controls (a Kubernetes NetworkPolicy, a private VPC).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
 
-from pathways_ray.clusters.topology import Topology
 from pathways_ray.proxy import versions
-from pathways_ray.proxy.devices import ProxyDevice, plan_devices
-from pathways_ray.proxy.protos import xla_python_ifrt_attribute_map_pb2 as attribute_map_pb2
 from pathways_ray.proxy.protos import (
     xla_python_ifrt_proxy_common_grpc_ifrt_service_pb2 as grpc_pb2,
 )
@@ -40,106 +30,15 @@ from pathways_ray.proxy.protos import (
     xla_python_ifrt_proxy_common_grpc_ifrt_service_pb2_grpc as grpc_service,
 )
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
+from pathways_ray.proxy.session import Session
 
 __all__ = ["ProxyServer"]
 
 logger = logging.getLogger(__name__)
 
 SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
-UNIMPLEMENTED, INTERNAL, FAILED_PRECONDITION = 12, 13, 9  # tensorflow.error.Code
-
-
-def _attributes(values: dict) -> attribute_map_pb2.AttributeMapProto:
-    out = attribute_map_pb2.AttributeMapProto()
-    for key, value in values.items():
-        v = out.attributes[key]
-        if isinstance(value, str):
-            v.string_value = value.encode()
-        elif isinstance(value, bool):
-            v.bool_value = value
-        elif isinstance(value, int):
-            v.int64_value = value
-        else:
-            v.int64_list_value.elements.extend(value)
-    return out
-
-
-def init_response(session_id: int, devices: Sequence[ProxyDevice]) -> ifrt_pb2.InitResponse:
-    """The session's devices, each with one memory, all addressable by the client."""
-    platform = devices[0].platform if devices else "cpu"
-    resp = ifrt_pb2.InitResponse(
-        session_id=session_id, platform_name=platform, platform_version="pathways-ray",
-        platform_id=0, process_index=0, runtime_type="pathways-ray")
-    for d in devices:
-        resp.all_devices.append(ifrt_pb2.InitResponse.Device(
-            id=d.id, local_device_id=d.id, local_hardware_id=d.rank, platform_name=d.platform,
-            device_kind=d.device_kind, default_memory_id=d.id, memory_ids=[d.id],
-            debug_string=d.describe(), to_string=d.describe(),
-            attributes=_attributes({"slice_index": d.slice_index, "coords": list(d.coords),
-                                    "core_on_chip": 0, "worker_id": d.worker_id,
-                                    "slice_name": d.slice_name})))
-        resp.memories.append(ifrt_pb2.InitResponse.Memory(
-            id=d.id, memory_space_kind=d.memory_kind, kind_id=0, device_ids=[d.id],
-            debug_string=f"{d.memory_kind} of device {d.id}",
-            to_string=f"{d.memory_kind} of device {d.id}"))
-        resp.addressable_device_ids.append(d.id)
-        resp.primary_device_ids.append(d.id)
-    return resp
-
-
-class Session:
-    """One client's world: its ``Client`` (and so its controller and slices)."""
-
-    def __init__(self, session_id: int, version: int, connect: Callable[[], object]):
-        self.id = session_id
-        self.version = version
-        self._connect = connect
-        self.client = None
-        self.devices: list[ProxyDevice] = []
-        self._closing = threading.Lock()
-
-    def handle(self, request: ifrt_pb2.IfrtRequest) -> ifrt_pb2.IfrtResponse:
-        kind = request.WhichOneof("request")
-        response = ifrt_pb2.IfrtResponse()
-        response.response_metadata.op_id = request.request_metadata.op_id
-        try:
-            if kind == "init_request":
-                response.init_response.CopyFrom(self.init())
-            else:
-                self._fail(response, UNIMPLEMENTED,
-                           f"pathways-ray's IFRT proxy does not serve {kind} yet: it serves "
-                           f"sessions and devices (jax.devices()); arrays and programs come "
-                           f"next")
-        except Exception as e:  # noqa: BLE001 - the client must get the error, not a cut
-            logger.warning("session %d: %s failed", self.id, kind, exc_info=True)
-            self._fail(response, INTERNAL, f"{kind} failed on the pathways-ray proxy: "
-                       f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}")
-        return response
-
-    @staticmethod
-    def _fail(response, code: int, message: str) -> None:
-        response.response_metadata.status.code = code
-        response.response_metadata.status.message = message
-
-    def init(self) -> ifrt_pb2.InitResponse:
-        if self.client is None:
-            self.client = self._connect()
-            slices = [{**d, "topology": Topology.of(d["topology"])}
-                      for d in self.client.describe()]
-            self.devices = plan_devices(slices)
-            logger.info("session %d: %d devices on %s", self.id, len(self.devices),
-                        ", ".join(d["name"] for d in slices))
-        return init_response(self.id, self.devices)
-
-    def close(self) -> None:
-        """Close the session's client (its controller, its slices); idempotent, and a
-        second caller waits until the first has finished."""
-        with self._closing:
-            if self.client is not None:
-                try:
-                    self.client.close()
-                finally:
-                    self.client = None
+STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
+CHUNK = 4 << 20  # bytes per message of a host buffer on its way back
 
 
 class _Service(grpc_service.GrpcIfrtServiceServicer):
@@ -148,6 +47,7 @@ class _Service(grpc_service.GrpcIfrtServiceServicer):
         self._lock = threading.Lock()
         self._next_id = 1
         self.sessions: dict[int, Session] = {}
+        self.closed: list[dict[str, int]] = []  # the counters of sessions that ended
 
     def GetVersion(self, request, context):  # noqa: N802 - gRPC's name
         try:
@@ -159,19 +59,45 @@ class _Service(grpc_service.GrpcIfrtServiceServicer):
         return grpc_pb2.GrpcGetVersionResponse(version=ifrt_pb2.IfrtProxyVersion(
             protocol_version=chosen, ifrt_serdes_version_number=versions.SERDES_VERSION))
 
-    def _no_host_buffers(self, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                      "pathways-ray's IFRT proxy does not serve host buffers yet: it serves "
-                      "sessions and devices (jax.devices()); arrays and programs come next")
+    def _session(self, session_id: int, context) -> Session:
+        with self._lock:
+            session = self.sessions.get(session_id)
+        if session is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no open session {session_id}")
+        return session
 
-    def HostBufferStore(self, request_iterator, context):  # noqa: N802
-        self._no_host_buffers(context)
+    def HostBufferStore(self, request_iterator, context):  # noqa: N802 - gRPC's name
+        meta = grpc_pb2.GrpcHostBufferStoreMetadata()
+        raw = dict(context.invocation_metadata()).get(STORE_METADATA)
+        if raw is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "HostBufferStore without metadata")
+        meta.ParseFromString(raw)
+        session = self._session(meta.session_id, context)
+        data = b"".join(r.data for r in request_iterator)
+        if len(data) != meta.buffer_size:
+            context.abort(grpc.StatusCode.DATA_LOSS, f"host buffer {meta.handle}: "
+                          f"{len(data)} of {meta.buffer_size} bytes arrived")
+        session.counters["host_bytes_in"] += len(data)
+        try:
+            session.host_buffers.store(meta.handle, data)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        return grpc_pb2.GrpcHostBufferStoreResponse()
 
     def HostBufferLookup(self, request, context):  # noqa: N802
-        self._no_host_buffers(context)
+        session = self._session(request.session_id, context)
+        try:
+            data = session.host_buffers.lookup(request.handle)
+        except (TimeoutError, RuntimeError) as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        for i in range(0, max(len(data), 1), CHUNK):
+            yield grpc_pb2.GrpcHostBufferLookupResponse(data=data[i:i + CHUNK])
 
     def HostBufferDelete(self, request, context):  # noqa: N802
-        self._no_host_buffers(context)
+        session = self._session(request.session_id, context)
+        if not session.host_buffers.delete(request.handle):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no host buffer {request.handle}")
+        return grpc_pb2.GrpcHostBufferDeleteResponse()
 
     def IfrtSession(self, request_iterator, context) -> Iterator:  # noqa: N802
         metadata = dict(context.invocation_metadata())
@@ -184,9 +110,28 @@ class _Service(grpc_service.GrpcIfrtServiceServicer):
             self.sessions[session.id] = session
         logger.info("session %d opened (protocol version %d, from %s)", session.id,
                     session.version, context.peer())
+        responses: queue.Queue = queue.Queue()
+
+        def read() -> None:  # requests in order; waits answer when done
+            pending = []
+            try:
+                for request in request_iterator:
+                    f = session.submit(request, responses.put)
+                    if f is not None:
+                        pending.append(f)
+                    pending = [p for p in pending if not p.done()]
+                futures.wait(pending)
+            except Exception as e:  # noqa: BLE001 - the client went away: the session ends
+                logger.info("session %d: its stream ended (%s)", session.id, type(e).__name__)
+            finally:
+                responses.put(None)
+
+        context.add_callback(lambda: responses.put(None))
+        threading.Thread(target=read, name=f"proxy-session-{session.id}-reader",
+                         daemon=True).start()
         try:
-            for request in request_iterator:
-                yield session.handle(request)
+            while (response := responses.get()) is not None:
+                yield response
         finally:
             # Closed before it leaves the book: ProxyServer.stop() waits for it there.
             try:
@@ -196,6 +141,7 @@ class _Service(grpc_service.GrpcIfrtServiceServicer):
                                exc_info=True)
             with self._lock:
                 self.sessions.pop(session.id, None)
+                self.closed.append(session.stats())
             logger.info("session %d closed", session.id)
 
 
@@ -238,6 +184,16 @@ class ProxyServer:
     @property
     def sessions(self) -> int:
         return len(self._service.sessions)
+
+    def stats(self) -> dict[str, int]:
+        """Sessions so far and the bytes that passed through this server, summed over
+        them: ``host_bytes_in``/``_out`` (the clients' host buffers), ``put_bytes``/
+        ``fetched_bytes`` (between this process and the chips)."""
+        with self._service._lock:
+            each = self._service.closed + [s.stats() for s in self._service.sessions.values()]
+        out = {k: sum(c[k] for c in each) for k in ("host_bytes_in", "host_bytes_out",
+                                                    "put_bytes", "fetched_bytes")}
+        return {"sessions": len(each), **out}
 
     def start(self) -> str:
         self._server.start()

@@ -1,0 +1,81 @@
+"""A chip's side of an ``HloProgram`` (the module JAX sent through the IFRT proxy):
+compile it for the placement's devices in the client's partition order, and run it on
+the chip's buffers.
+
+The compile options are the client's own (its partitioner, its flags), with the
+device assignment made this world's. Results become global ``jax.Array``s laid out
+as XLA chose (``programs.hlo_sharding.layout_of``), so the next command, a fetch or
+a copy to another slice treats them as any other buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from pathways_ray.programs.hlo_program import HloProgram, HloSignature
+from pathways_ray.programs.hlo_sharding import layout_of, replicated
+from pathways_ray.programs.sharding import MeshShape, Spec
+
+__all__ = ["CompiledHlo", "compile_hlo"]
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledHlo:
+    """A loaded executable for one placement; called with the chip's input buffers,
+    returns its results as global arrays."""
+
+    def __init__(self, program: HloProgram, executable, signature: HloSignature, start: int,
+                 chips: int, sharding: Callable[[MeshShape, Spec, int], object]):
+        self.program = program
+        self.executable = executable
+        self.signature = signature
+        self._start = start
+        self._chips = chips
+        self._sharding = sharding
+
+    def __call__(self, *args):
+        import jax
+
+        if not self.program.ranks:  # one device: this chip runs it on its own copy
+            args = [a.addressable_data(0) for a in args]
+        results = self.executable.execute_sharded(list(args))
+        outs = results.disassemble_into_single_device_arrays()
+        return [jax.make_array_from_single_device_arrays(
+                    shape, self._sharding(mesh, spec, self._start), pieces)
+                for (shape, _), (mesh, spec), pieces
+                in zip(self.program.out_shapes, self.signature.out_layouts, outs, strict=True)]
+
+
+def compile_hlo(program: HloProgram, start: int, chips: int,
+                sharding: Callable[[MeshShape, Spec, int], object]) -> CompiledHlo:
+    """Compile ``program`` for the placement of ``chips`` chips at world device
+    ``start`` (every chip of it calls this)."""
+    import jax
+    from jax._src.lib import xla_client as xc
+
+    world = jax.devices()
+    devices = ([world[start + r] for r in program.ranks] if program.ranks
+               else [jax.local_devices()[0]])
+    options = xc.CompileOptions.ParseFromString(program.compile_options)
+    options.device_assignment = xc.DeviceAssignment.create(
+        np.array([[d.id for d in devices]]))
+    t0 = time.monotonic()
+    executable = devices[0].client.compile_and_load(
+        program.module, xc.DeviceList(tuple(devices)), options)
+    logger.info("program %s (%s): compiled for %d devices in %.2f s", program.fingerprint[:12],
+                program.name, len(devices), time.monotonic() - t0)
+    outs = executable.get_output_shardings() or []
+    ins = executable.get_parameter_shardings() or []
+    if program.ranks:
+        layouts = tuple(layout_of(op, program.ranks, len(shape), chips)
+                        for op, (shape, _) in zip(outs, program.out_shapes, strict=True))
+    else:
+        layouts = tuple(replicated(chips, len(shape)) for shape, _ in program.out_shapes)
+    signature = HloSignature(layouts, tuple(op.SerializeToString() for op in ins),
+                             tuple(op.SerializeToString() for op in outs))
+    return CompiledHlo(program, executable, signature, start, chips, sharding)

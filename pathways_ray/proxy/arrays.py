@@ -1,0 +1,230 @@
+"""A session's arrays: what each IFRT array handle the client holds is, on the fleet.
+
+An array is one of:
+- on the chips: a ``RemoteArray`` of the session's ``Client``, on one slice, laid out
+  as the client's sharding says (``types.place``);
+- still here: a one-device array made from host bytes (a shard of a ``device_put``,
+  a scalar), put on the chips only when a program or a copy needs it there, so the
+  shards of a sharded ``device_put`` reach the chips as one array, each chip its block;
+- a shard of another array (``jax.Array.addressable_shards``): a view, read from the
+  chip that holds it.
+
+Arrays are immutable, so a host copy, once fetched, answers every later read. Every
+move between slices is ``Client.reshard``: the chips copy the shards themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pathways_ray.client.arrays import Layout, RemoteArray
+from pathways_ray.programs.hlo_sharding import replicated
+from pathways_ray.programs.sharding import shard_slices
+from pathways_ray.proxy.devices import ProxyDevice
+from pathways_ray.proxy.types import Placed, ProxySharding, place
+
+if TYPE_CHECKING:
+    from pathways_ray.client.client import Client
+
+__all__ = ["ArrayTable", "ProxyArray"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ProxyArray:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    placed: Placed
+    device_ids: tuple[int, ...]  # the client's sharding devices, in its order
+    op: object | None = None  # the client's tiling (OpSharding), None: one device/replicated
+    remote: RemoteArray | None = None
+    host: np.ndarray | None = None
+    parent: ProxyArray | None = None  # a shard view: ``index`` of ``parent``
+    index: tuple[slice, ...] | None = None
+    cached: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def single(self) -> bool:
+        return self.placed.device is not None
+
+    def blocks(self, devices: list[ProxyDevice]) -> list[tuple[slice, ...]]:
+        """The block of the array each of ``device_ids`` holds."""
+        if self.single:
+            return [tuple(slice(0, n) for n in self.shape)] * len(self.device_ids)
+        by_rank = shard_slices(self.shape, self.placed.mesh, self.placed.spec)
+        return [by_rank[devices[d].rank] for d in self.device_ids]
+
+
+class ArrayTable:
+    """Handle -> array (or the error that making it met, raised where it is used)."""
+
+    def __init__(self, client: Client, devices: list[ProxyDevice], slices: list[dict]):
+        self.client = client
+        self.devices = devices
+        self.slice_names = [s["name"] for s in slices]
+        self.chips = [s["chips"] for s in slices]
+        self._arrays: dict[int, ProxyArray | BaseException] = {}
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    # ---- the table -------------------------------------------------------------------
+    def set(self, handle: int, value: ProxyArray | BaseException) -> None:
+        if handle in self._arrays:
+            raise ValueError(f"array handle {handle} is in use already")
+        self._arrays[handle] = value
+
+    def get(self, handle: int) -> ProxyArray:
+        value = self._arrays.get(handle)
+        if value is None:
+            raise KeyError(f"unknown array handle {handle}: not an array of this session "
+                           f"(destructed, or another session's)")
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def pop(self, handle: int) -> bool:
+        return self._arrays.pop(handle, None) is not None
+
+    def clear(self) -> None:
+        self._arrays.clear()
+
+    def place(self, sharding: ProxySharding, ndim: int) -> Placed:
+        return place(sharding, ndim, self.devices, self.chips)
+
+    # ---- making arrays ---------------------------------------------------------------
+    def from_host(self, data: np.ndarray, sharding: ProxySharding) -> ProxyArray:
+        placed = self.place(sharding, data.ndim)
+        arr = ProxyArray(tuple(data.shape), data.dtype, placed, sharding.device_ids,
+                         sharding.op)
+        if placed.device is not None:
+            arr.host = data  # to the chips when used there
+        else:
+            arr.remote = self._put(data, placed)
+        return arr
+
+    def _put(self, data: np.ndarray, placed: Placed) -> RemoteArray:
+        return self.client.device_put(data, Layout(placed.mesh, placed.spec),
+                                      slice=self.slice_names[placed.slice_index])
+
+    def assemble(self, parts: list[ProxyArray], shape: tuple[int, ...], dtype: np.dtype,
+                 sharding: ProxySharding) -> ProxyArray:
+        """One array of ``parts`` (the shard on each of ``sharding``'s devices)."""
+        placed = self.place(sharding, len(shape))
+        if len(parts) != len(sharding.device_ids):
+            raise ValueError(f"{len(parts)} single-device arrays for a sharding over "
+                             f"{len(sharding.device_ids)} devices")
+        arr = ProxyArray(tuple(shape), np.dtype(dtype), placed, sharding.device_ids,
+                         sharding.op)
+        parents = {id(p.parent) for p in parts}
+        first = parts[0].parent
+        if (len(parents) == 1 and first is not None and first.placed == placed
+                and first.device_ids == sharding.device_ids and first.shape == arr.shape):
+            arr.remote, arr.host = first.remote, first.host  # taken apart, put back
+            return arr
+        if placed.device is not None:
+            arr.remote, arr.host = parts[0].remote, parts[0].host
+            if arr.remote is None and arr.host is None:
+                arr.host = self.to_host(parts[0])
+            return arr
+        full = np.empty(shape, dtype)
+        for index, part in zip(arr.blocks(self.devices), parts, strict=True):
+            full[index] = self.to_host(part)
+        arr.remote = self._put(full, placed)
+        return arr
+
+    def disassemble(self, arr: ProxyArray) -> list[ProxyArray]:
+        """One single-device array per device of ``arr``, in its sharding's order."""
+        if arr.single:  # itself (a shard view stays a view)
+            return [replace(arr)]
+        out = []
+        for d, index in zip(arr.device_ids, arr.blocks(self.devices), strict=True):
+            one = ProxyArray(tuple(s.stop - s.start for s in index), arr.dtype,
+                             self._one(arr.placed.slice_index, len(index), d),
+                             (d,))
+            if arr.single or self._replicated(arr):
+                one.remote, one.host, one.cached = arr.remote, arr.host, arr.cached
+            else:
+                one.parent, one.index = arr, index
+            out.append(one)
+        return out
+
+    def fully_replicated_shard(self, arr: ProxyArray) -> ProxyArray:
+        if arr.single:
+            return replace(arr)
+        if not self._replicated(arr):
+            raise ValueError("fully_replicated_shard of an array that is not replicated")
+        one = ProxyArray(arr.shape, arr.dtype,
+                         self._one(arr.placed.slice_index, len(arr.shape), arr.device_ids[0]),
+                         arr.device_ids[:1])
+        one.remote, one.host, one.cached = arr.remote, arr.host, arr.cached
+        return one
+
+    def _one(self, slice_index: int, ndim: int, device: int) -> Placed:
+        """A one-device array: on every chip of its slice once on the chips."""
+        return Placed(slice_index, *replicated(self.chips[slice_index], ndim), device=device)
+
+    @staticmethod
+    def _replicated(arr: ProxyArray) -> bool:
+        return all(not axes for axes in arr.placed.spec)
+
+    # ---- reading and moving ----------------------------------------------------------
+    def to_host(self, arr: ProxyArray, timeout_s: float | None = None) -> np.ndarray:
+        if arr.cached is not None:
+            return arr.cached
+        if arr.host is not None:
+            return arr.host
+        if arr.parent is not None:
+            return self.to_host(arr.parent, timeout_s)[arr.index]
+        arr.cached = arr.remote.fetch(timeout_s)
+        return arr.cached
+
+    def on_chips(self, arr: ProxyArray, slice_index: int) -> RemoteArray:
+        """``arr`` on the chips of slice ``slice_index``, as a program there reads it."""
+        if arr.placed.slice_index != slice_index:
+            raise ValueError(
+                f"an argument is on slice {self.slice_names[arr.placed.slice_index]}, the "
+                f"program runs on {self.slice_names[slice_index]}: device_put it there first")
+        if arr.remote is not None:
+            return arr.remote
+        logger.debug("putting a %s %s array on slice %s", arr.dtype, arr.shape,
+                     self.slice_names[slice_index])
+        mesh, spec = replicated(self.chips[slice_index], len(arr.shape))
+        arr.remote = self.client.device_put(self.to_host(arr), Layout(mesh, spec),
+                                            slice=self.slice_names[slice_index])
+        return arr.remote
+
+    def copy(self, arr: ProxyArray, device_ids: tuple[int, ...]) -> ProxyArray:
+        """``arr`` with the same sharding on other devices (another slice: chip to chip)."""
+        if len(device_ids) != len(arr.device_ids):
+            raise ValueError(f"copying an array on {len(arr.device_ids)} devices to "
+                             f"{len(device_ids)} devices")
+        return self.reshard(arr, ProxySharding(tuple(device_ids), arr.op))
+
+    def reshard(self, arr: ProxyArray, sharding: ProxySharding) -> ProxyArray:
+        placed = self.place(sharding, len(arr.shape))
+        out = ProxyArray(arr.shape, arr.dtype, placed, sharding.device_ids, sharding.op)
+        if placed == arr.placed and arr.remote is not None:
+            out.remote = arr.remote
+        elif arr.remote is None or arr.parent is not None or placed.device is not None:
+            data = self.to_host(arr)  # still here (or one device): from the proxy
+            if placed.device is not None:
+                out.host = data
+            else:
+                out.remote = self._put(data, placed)
+        else:
+            out.remote = self.client.reshard(arr.remote, Layout(placed.mesh, placed.spec),
+                                             slice=self.slice_names[placed.slice_index])
+        return out
+
+    def ready(self, arrays: list[ProxyArray], timeout_s: float | None = None) -> None:
+        remote = [a.remote for a in arrays if a.remote is not None and a.cached is None]
+        remote += [a.parent.remote for a in arrays if a.parent is not None
+                   and a.parent.remote is not None]
+        if remote:
+            self.client.block_until_ready(remote, timeout_s)

@@ -1,0 +1,418 @@
+"""One ``IfrtSession``: one client's world, its requests answered in order.
+
+On its ``InitRequest`` the session connects a ``Client`` of its own
+(``pathways_ray.connect``: its own controller, arrays, programs and slices, reserved
+from the fleet or leased from a shared service) and answers with one device per
+chip. Then it serves arrays (``arrays.ArrayTable``) and programs (``programs``).
+
+Requests are handled in the order they come; the ones that wait for the chips
+(ready checks, fetches, a program's status) answer when done, so later requests
+go on meanwhile, as jaxlib's own server does. Every failure is an error status on
+its response (and on the array handles the request would have made): a lost slice
+is ``DATA_LOSS`` naming the slice and its hosts; the session stays up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent import futures
+
+import numpy as np
+
+from pathways_ray.clusters.topology import Topology
+from pathways_ray.errors import PathwaysError, RemoteError, SliceLost
+from pathways_ray.proxy import programs
+from pathways_ray.proxy.arrays import ArrayTable, ProxyArray
+from pathways_ray.proxy.devices import ProxyDevice, plan_devices
+from pathways_ray.proxy.host_buffers import HostBuffers
+from pathways_ray.proxy.init import init_response
+from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
+from pathways_ray.proxy.types import dtype_of, parse_sharding
+
+__all__ = ["Session", "status_of"]
+
+logger = logging.getLogger(__name__)
+
+# tensorflow.error.Code
+(INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, FAILED_PRECONDITION, UNIMPLEMENTED, INTERNAL,
+ UNAVAILABLE, DATA_LOSS) = 3, 4, 5, 9, 12, 13, 14, 15
+SERVER_HANDLES = 1 << 62  # above the client's own handles
+WAITS = {"check_value_ready_request", "check_future_request", "copy_to_host_buffer_request",
+         "loaded_executable_fetch_execute_result_request"}
+
+
+def _natural(name: str) -> tuple:
+    """Slice names in their numbers' order: v6e-2x2-2 before v6e-2x2-10."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def status_of(e: BaseException) -> tuple[int, str]:
+    """The status a client sees for ``e``: a lost slice is ``DATA_LOSS`` (the word
+    pathwaysutils.elastic looks for), the user's program an error with its message."""
+    if isinstance(e, SliceLost):
+        return DATA_LOSS, f"DATA_LOSS: {e}"
+    if isinstance(e, RemoteError):
+        return INTERNAL, str(e)
+    if isinstance(e, PathwaysError):
+        return UNAVAILABLE, str(e)
+    if isinstance(e, KeyError):
+        return NOT_FOUND, str(e.args[0]) if e.args else str(e)
+    if isinstance(e, (ValueError, TypeError)):
+        return INVALID_ARGUMENT, str(e)
+    if isinstance(e, TimeoutError):
+        return DEADLINE_EXCEEDED, str(e)
+    if isinstance(e, NotImplementedError):
+        return UNIMPLEMENTED, str(e)
+    return INTERNAL, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
+
+
+class Session:
+    def __init__(self, session_id: int, version: int, connect: Callable[[], object],
+                 fetch_timeout_s: float | None = None):
+        self.id = session_id
+        self.version = version
+        self._connect = connect
+        self.client = None
+        self.devices: list[ProxyDevice] = []
+        self.host_buffers = HostBuffers()
+        self.arrays: ArrayTable | None = None
+        self.executables: dict[int, programs.Executable] = {}
+        self._futures: dict[int, Callable[[], None]] = {}
+        self._handles = itertools.count(SERVER_HANDLES)
+        self._closing = threading.Lock()
+        self._waits = futures.ThreadPoolExecutor(
+            4, thread_name_prefix=f"proxy-session-{session_id}")
+        self._timeout_s = fetch_timeout_s
+        # Bytes that passed through the proxy: from the client's host buffers, back to
+        # it, and between this process and the chips (the session's Client's counters).
+        self.counters = {"host_bytes_in": 0, "host_bytes_out": 0, "put_bytes": 0,
+                         "fetched_bytes": 0}
+
+    def stats(self) -> dict[str, int]:
+        if self.client is not None:
+            self.counters.update({k: self.client.counters[k]
+                                  for k in ("put_bytes", "fetched_bytes")})
+        return dict(self.counters)
+
+    # ---- requests --------------------------------------------------------------------
+    def submit(self, request: ifrt_pb2.IfrtRequest, respond: Callable) -> futures.Future | None:
+        """Handle ``request``: at once, or (a wait) on the session's threads; either way
+        ``respond(response)`` is called once."""
+        kind = request.WhichOneof("request")
+        if kind in WAITS and self.arrays is not None:
+            prepared = self._prepare_wait(request, kind)
+            return self._waits.submit(lambda: respond(self._run(request, kind, prepared)))
+        respond(self._run(request, kind))
+        return None
+
+    def handle(self, request: ifrt_pb2.IfrtRequest) -> ifrt_pb2.IfrtResponse:
+        """Handle one request and wait for its answer (tests, and the stream's waits)."""
+        out = []
+        f = self.submit(request, out.append)
+        if f is not None:
+            f.result()
+        return out[0]
+
+    def _prepare_wait(self, request, kind):
+        """What a wait needs from the tables, taken now (in request order)."""
+        try:
+            if kind == "check_value_ready_request":
+                return [self.arrays.get(h) for h in request.check_value_ready_request.value_handles]
+            if kind == "copy_to_host_buffer_request":
+                return self.arrays.get(request.copy_to_host_buffer_request.array_handle)
+            handle = (request.check_future_request.future_handle if kind == "check_future_request"
+                      else request.loaded_executable_fetch_execute_result_request
+                      .result_status_handle)
+            if handle not in self._futures:
+                raise KeyError(f"unknown future handle {handle}")
+            return self._futures.pop(handle)
+        except BaseException as e:  # noqa: BLE001 - answered as the request's error
+            return e
+
+    def _run(self, request, kind, prepared=None) -> ifrt_pb2.IfrtResponse:
+        response = ifrt_pb2.IfrtResponse()
+        response.response_metadata.op_id = request.request_metadata.op_id
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("session %d <- %s", self.id, str(request).replace("\n", " ")[:300])
+        try:
+            if isinstance(prepared, BaseException):
+                raise prepared
+            if kind != "init_request" and self.arrays is None:
+                raise ValueError(f"{kind} before the session's InitRequest")
+            handler = getattr(self, "_" + (kind or "none").removesuffix("_request"), None)
+            if handler is None:
+                raise NotImplementedError(f"pathways-ray's IFRT proxy does not serve {kind}")
+            if prepared is not None:
+                handler(getattr(request, kind), response, prepared)
+            else:
+                handler(getattr(request, kind), response)
+        except BaseException as e:  # noqa: BLE001 - the client must get the error, not a cut
+            code, message = status_of(e)
+            log = logger.warning if code in (INTERNAL, DATA_LOSS) else logger.info
+            log("session %d: %s failed: %s", self.id, kind, message.splitlines()[0])
+            self._fail_handles(request, kind, e)
+            response.ClearField("response")
+            response.response_metadata.status.code = code
+            response.response_metadata.status.message = message
+        return response
+
+    def _fail_handles(self, request, kind, e) -> None:
+        """The handles the client made for this request's results hold its error."""
+        if self.arrays is None or kind is None:
+            return
+        body = getattr(request, kind)
+        for name in ("array_handle", "array_handles", "result_handle", "result_handles",
+                     "result_array_handle"):
+            if name in ("array_handle", "array_handles") and not kind.startswith("make_"):
+                continue
+            if hasattr(body, name):
+                value = getattr(body, name)
+                for h in (value if not isinstance(value, int) else [value]):
+                    if h:
+                        try:
+                            self.arrays.set(h, e)
+                        except ValueError:
+                            pass
+
+    def _new(self, handle: int, arr: ProxyArray) -> int:
+        handle = handle or next(self._handles)
+        self.arrays.set(handle, arr)
+        return handle
+
+    # ---- session ---------------------------------------------------------------------
+    def _init(self, req, response) -> None:
+        if self.client is None:
+            self.client = self._connect()
+            slices = sorted(({**d, "topology": Topology.of(d["topology"])}
+                             for d in self.client.describe()), key=lambda d: _natural(d["name"]))
+            self.devices = plan_devices(slices)
+            self.arrays = ArrayTable(self.client, self.devices, slices)
+            logger.info("session %d: %d devices on %s", self.id, len(self.devices),
+                        ", ".join(d["name"] for d in slices))
+        response.init_response.CopyFrom(init_response(self.id, self.devices))
+
+    def close(self) -> None:
+        """Close the session's client (its controller, its slices); idempotent, and a
+        second caller waits until the first has finished."""
+        with self._closing:
+            self.host_buffers.close()
+            self._waits.shutdown(wait=False, cancel_futures=True)
+            if self.arrays is not None:
+                self.arrays.clear()
+            self.executables.clear()
+            if self.client is not None:
+                self.stats()  # the last counts, kept past the client
+                try:
+                    self.client.close()
+                finally:
+                    self.client = None
+
+    # ---- arrays ----------------------------------------------------------------------
+    def _host_array(self, handle: int, dtype_proto, shape_proto, strides) -> np.ndarray:
+        dtype, shape = dtype_of(dtype_proto), tuple(shape_proto.dims)
+        data = self.host_buffers.take(handle)
+        if strides is not None and list(strides.strides):
+            return np.lib.stride_tricks.as_strided(np.frombuffer(data, dtype), shape,
+                                                   tuple(strides.strides)).copy()
+        return np.frombuffer(data, dtype, count=int(np.prod(shape))).reshape(shape)
+
+    def _make_array_from_host_buffer(self, req, response) -> None:
+        data = self._host_array(req.host_buffer_handle, req.dtype, req.shape,
+                                req.byte_strides if req.HasField("byte_strides") else None)
+        arr = self.arrays.from_host(data, parse_sharding(req.sharding))
+        response.make_array_from_host_buffer_response.array_handle = self._new(
+            req.array_handle, arr)
+
+    def _make_arrays_from_host_buffer_shards(self, req, response) -> None:
+        out = response.make_arrays_from_host_buffer_shards_response
+        handles = list(req.array_handles) or [0] * len(req.specs)
+        for spec, handle in zip(req.specs, handles, strict=True):
+            sharding = parse_sharding(spec.array_spec.sharding)
+            shape, dtype = tuple(spec.array_spec.shape.dims), dtype_of(spec.array_spec.dtype)
+            parts: dict[int, np.ndarray] = {}
+            for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers, strict=True):
+                data = self._host_array(hb.host_buffer_handle, hb.dtype, hb.shape,
+                                        hb.byte_strides if hb.HasField("byte_strides") else None)
+                for i in indices.indices:
+                    parts[i] = data
+            one = [ProxyArray(parts[i].shape, dtype, None, (d,), host=parts[i])
+                   for i, d in enumerate(sharding.device_ids)]
+            arr = self.arrays.assemble(one, shape, dtype, sharding)
+            out.array_handles.append(self._new(handle, arr))
+
+    def _assemble_array_from_single_device_arrays(self, req, response) -> None:
+        parts = [self.arrays.get(h) for h in req.single_device_array_handles]
+        arr = self.arrays.assemble(parts, tuple(req.shape.dims), dtype_of(req.dtype)
+                                   if req.HasField("dtype") else parts[0].dtype,
+                                   parse_sharding(req.sharding))
+        response.assemble_array_from_single_device_arrays_response.array_handle = self._new(
+            req.result_handle, arr)
+
+    def _disassemble_into_single_device_arrays(self, req, response) -> None:
+        parts = self.arrays.disassemble(self.arrays.get(req.array_handle))
+        handles = list(req.result_handles) or [0] * len(parts)
+        response.disassemble_into_single_device_arrays_response.array_handles.extend(
+            self._new(h, p) for h, p in zip(handles, parts, strict=True))
+
+    def _fully_replicated_shard(self, req, response) -> None:
+        one = self.arrays.fully_replicated_shard(self.arrays.get(req.array_handle))
+        response.fully_replicated_shard_response.array_handle = self._new(req.result_handle, one)
+
+    def _copy_arrays(self, req, response) -> None:
+        arrays = [self.arrays.get(h) for h in req.array_handles]
+        handles = list(req.result_handles) or [0] * len(arrays)
+        out = [self.arrays.copy(a, tuple(req.device_ids)) if req.device_ids else a
+               for a in arrays]
+        response.copy_arrays_response.array_handles.extend(
+            self._new(h, a) for h, a in zip(handles, out, strict=True))
+
+    def _reshard_arrays(self, req, response) -> None:
+        arrays = [self.arrays.get(h) for h in req.array_handles]
+        handles = list(req.result_handles) or [0] * len(arrays)
+        out = [self.arrays.reshard(a, parse_sharding(spec.sharding))
+               for a, spec in zip(arrays, req.array_specs, strict=True)]
+        response.reshard_arrays_response.array_handles.extend(
+            self._new(h, a) for h, a in zip(handles, out, strict=True))
+
+    def _copy_to_host_buffer(self, req, response, arr: ProxyArray) -> None:
+        data = np.ascontiguousarray(self.arrays.to_host(arr, self._timeout_s)).tobytes()
+        self.host_buffers.store(req.host_buffer_handle, data)
+        self.counters["host_bytes_out"] += len(data)
+        response.copy_to_host_buffer_response.SetInParent()
+
+    def _check_value_ready(self, req, response, arrays: list[ProxyArray]) -> None:
+        self.arrays.ready(arrays, self._timeout_s)
+        response.check_value_ready_response.SetInParent()
+
+    def _delete_array(self, req, response) -> None:
+        for h in req.array_handle:
+            self.arrays.get(h)
+            self.arrays.pop(h)
+            self.arrays.set(h, KeyError(f"array handle {h} was deleted"))
+        handle = next(self._handles)
+        self._futures[handle] = lambda: None
+        response.delete_array_response.deletion_future_handle = handle
+
+    def _is_array_deleted(self, req, response) -> None:
+        try:
+            self.arrays.get(req.array_handle)
+            deleted = False
+        except KeyError as e:
+            if "was deleted" not in str(e):
+                raise
+            deleted = True
+        response.is_array_deleted_response.deleted = deleted
+
+    def _destruct_array(self, req, response) -> None:
+        missing = [h for h in req.array_handle if not self.arrays.pop(h)]
+        if missing:
+            raise KeyError(f"unknown array handles {missing}")
+        response.destruct_array_response.SetInParent()
+
+    def _check_future(self, req, response, wait: Callable[[], None]) -> None:
+        wait()
+        response.check_future_response.SetInParent()
+
+    # ---- programs --------------------------------------------------------------------
+    def _compile(self, req, response) -> None:
+        if req.host_callbacks:
+            raise NotImplementedError("programs with host callbacks (jax.debug.print, "
+                                      "pure_callback) are not served by the pathways-ray proxy")
+        exe = programs.compile_program(self.arrays, req.program.data, req.compile_options.data,
+                                       self._timeout_s)
+        handle = next(self._handles)
+        self.executables[handle] = exe
+        ready = next(self._handles)
+        self._futures[ready] = lambda: None
+        out = response.compile_response
+        out.loaded_executable_handle = handle
+        out.name = exe.program.fun_name
+        out.num_devices = len(exe.device_ids)
+        out.device_ids.extend(exe.device_ids)
+        out.addressable_device_ids.extend(exe.device_ids)
+        out.fingerprint_value = exe.program.fingerprint.encode()
+        out.ready_future_handle = ready
+
+    def _executable(self, handle: int) -> programs.Executable:
+        if handle not in self.executables:
+            raise KeyError(f"unknown loaded executable handle {handle}")
+        return self.executables[handle]
+
+    def _loaded_executable_metadata(self, req, response) -> None:
+        from pathways_ray.proxy.protos import xla_xla_data_pb2
+
+        exe = self._executable(req.loaded_executable_handle)
+        out = response.loaded_executable_metadata_response
+        for ops, into in ((exe.signature.in_shardings, out.parameter_shardings),
+                          (exe.signature.out_shardings, out.output_shardings)):
+            into.SetInParent()
+            into.shardings.extend(xla_xla_data_pb2.OpSharding.FromString(b) for b in ops)
+        for field in ("parameter_layouts_error", "output_layouts_error",
+                      "donated_input_indices_error", "compiled_memory_stats_error"):
+            getattr(out, field).code = UNIMPLEMENTED
+            getattr(out, field).message = "not reported by the pathways-ray proxy"
+        # One list for the program, a kind per result.
+        out.output_memory_kinds.memory_kind_lists.add().memory_kinds.extend(
+            ["device"] * len(exe.program.out_sigs))
+
+    def _loaded_executable_execute(self, req, response) -> None:
+        exe = self._executable(req.loaded_executable_handle)
+        args = [self.arrays.get(h) for h in req.args_handles]
+        outs = programs.execute(self.arrays, exe, args)
+        handles = list(req.result_array_handle) or [0] * len(outs)
+        made = [self._new(h, a) for h, a in zip(handles, outs, strict=True)]
+        out = response.loaded_executable_execute_response
+        out.SetInParent()
+        if req.execute_options.fill_status:
+            status = req.result_status_handle or next(self._handles)
+            self._futures[status] = lambda: self.arrays.ready(outs, self._timeout_s)
+            out.status_handle = status
+        if not req.result_array_handle:
+            from pathways_ray.proxy.types import dtype_proto, hlo_sharding_proto
+
+            for i, (h, a) in enumerate(zip(made, outs, strict=True)):
+                o = out.outputs.add(array_handle=h)
+                o.dtype.CopyFrom(dtype_proto(a.dtype))
+                o.shape.dims.extend(a.shape)
+                o.sharding.CopyFrom(hlo_sharding_proto(
+                    a.device_ids, None if exe.single else exe.signature.out_shardings[i],
+                    self.devices[a.device_ids[0]].memory_kind))
+
+    def _loaded_executable_fetch_execute_result(self, req, response, wait) -> None:
+        wait()
+        response.loaded_executable_fetch_execute_result_response.SetInParent()
+
+    def _loaded_executable_destruct(self, req, response) -> None:
+        self._executable(req.loaded_executable_handle)
+        del self.executables[req.loaded_executable_handle]
+        response.loaded_executable_destruct_response.SetInParent()
+
+    def _get_default_layout(self, req, response) -> None:
+        """The layout JAX's CPU devices give an array by default (the emulated chips are
+        JAX CPU devices); TPU layouts are the chips' own and not reported here."""
+        if not 0 <= req.device_id < len(self.devices):
+            raise ValueError(f"device {req.device_id} is not one of this session's devices")
+        if self.devices[req.device_id].platform != "cpu":
+            raise NotImplementedError("default layouts of TPU devices are not reported by "
+                                      "the pathways-ray proxy")
+        import jax
+
+        cpu = jax.devices("cpu")[0]
+        layout = cpu.client.get_default_layout(dtype_of(req.dtype), tuple(req.dims), cpu)
+        response.get_default_layout_response.serialized_pjrt_layout = layout.__getstate__()[0]
+
+    def _get_default_device_assignment(self, req, response) -> None:
+        n = req.num_replicas * req.num_partitions
+        if n > len(self.devices):
+            raise ValueError(f"{req.num_replicas} replicas x {req.num_partitions} partitions "
+                             f"need {n} devices; this session has {len(self.devices)}")
+        out = response.get_default_device_assignment_response.device_assignment
+        out.replica_count, out.computation_count = req.num_replicas, req.num_partitions
+        for p in range(req.num_partitions):
+            out.computation_devices.add().replica_device_ids.extend(
+                r * req.num_partitions + p for r in range(req.num_replicas))

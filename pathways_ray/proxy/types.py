@@ -1,0 +1,133 @@
+"""IFRT's value types as the proxy protocol carries them (dtype, shape, sharding), and
+where a sharding puts an array on the session's slices. Pure: protobuf and numpy.
+
+A sharding names devices of the session (``devices.ProxyDevice``); an array lives on
+one slice, on all of its chips (a layout: ``MeshShape`` and spec, any tile
+assignment XLA makes) or on one device. A one-device array is kept on every chip of
+its device's slice, so that the slice's programs can use it where they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pathways_ray.programs.hlo_sharding import MAXIMAL, REPLICATED, layout_of, replicated
+from pathways_ray.programs.hlo_sharding import sharding_kind as _kind
+from pathways_ray.programs.sharding import MeshShape, Spec
+from pathways_ray.proxy.devices import ProxyDevice
+from pathways_ray.proxy.protos import xla_python_ifrt_dtype_pb2 as dtype_pb2
+from pathways_ray.proxy.protos import xla_python_ifrt_sharding_pb2 as sharding_pb2
+from pathways_ray.proxy.protos import xla_python_ifrt_sharding_serdes_pb2 as serdes_pb2
+from pathways_ray.proxy.protos import xla_python_pjrt_ifrt_xla_sharding_pb2 as xla_sharding_pb2
+from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
+
+__all__ = ["Placed", "ProxySharding", "dtype_of", "dtype_proto", "parse_sharding", "place",
+           "hlo_sharding_proto"]
+
+_NUMPY = {"PRED": "bool", "S8": "int8", "S16": "int16", "S32": "int32", "S64": "int64",
+          "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16",
+          "F32": "float32", "F64": "float64", "BF16": "bfloat16", "C64": "complex64",
+          "C128": "complex128", "F8E4M3FN": "float8_e4m3fn", "F8E5M2": "float8_e5m2",
+          "S4": "int4", "U4": "uint4"}
+_KIND = {v: k for k, v in _NUMPY.items()}
+
+
+def dtype_of(proto) -> np.dtype:
+    """``DTypeProto`` -> numpy dtype (bfloat16 and the float8s from ml_dtypes)."""
+    name = dtype_pb2.DTypeProto.Kind.Name(proto.kind).removeprefix("KIND_")
+    if name not in _NUMPY:
+        raise ValueError(f"dtype {name} is not served by the pathways-ray proxy (it serves "
+                         f"{', '.join(sorted(_NUMPY))})")
+    import ml_dtypes  # noqa: F401 - registers bfloat16 and the float8s with numpy
+
+    return np.dtype(_NUMPY[name])
+
+
+def dtype_proto(dtype) -> dtype_pb2.DTypeProto:
+    return dtype_pb2.DTypeProto(kind=dtype_pb2.DTypeProto.Kind.Value(
+        "KIND_" + _KIND[np.dtype(dtype).name]))
+
+
+@dataclass(frozen=True)
+class ProxySharding:
+    """A sharding as the client gave it: its devices in its order, and the tiling (an
+    ``OpSharding``; None for one device or all of them holding everything)."""
+
+    device_ids: tuple[int, ...]
+    op: object | None = None
+    memory_kind: str = ""
+
+
+def parse_sharding(proto: sharding_pb2.ShardingProto) -> ProxySharding:
+    """``ShardingProto`` (one of IFRT's serialized sharding kinds) -> ``ProxySharding``."""
+    kind, data = proto.serialized_sharding.type_name, proto.serialized_sharding.data
+    if kind.endswith("SingleDeviceSharding"):
+        m = serdes_pb2.SingleDeviceShardingProto.FromString(data)
+        return ProxySharding((m.device_id,), None, m.memory_kind)
+    if kind.endswith("::HloSharding"):
+        m = xla_sharding_pb2.HloShardingProto.FromString(data)
+        return ProxySharding(tuple(m.devices.device_ids), m.xla_op_sharding, m.memory_kind)
+    if kind.endswith("ConcreteEvenSharding"):
+        m = serdes_pb2.ConcreteEvenShardingProto.FromString(data)
+        if m.is_fully_replicated or len(m.devices.device_ids) == 1:
+            return ProxySharding(tuple(m.devices.device_ids), None, m.memory_kind)
+    raise ValueError(f"a sharding of kind {kind} is not served by the pathways-ray proxy: "
+                     f"use a NamedSharding (an HloSharding) or a single device")
+
+
+def hlo_sharding_proto(device_ids: Sequence[int], op_bytes: bytes | None,
+                       memory_kind: str = "") -> sharding_pb2.ShardingProto:
+    """An IFRT ``HloSharding`` over ``device_ids`` (replicated when ``op_bytes`` is None)."""
+    op = (xla_data_pb2.OpSharding.FromString(op_bytes) if op_bytes is not None
+          else xla_data_pb2.OpSharding(type=REPLICATED))
+    m = xla_sharding_pb2.HloShardingProto(xla_op_sharding=op, memory_kind=memory_kind)
+    m.devices.device_ids.extend(device_ids)
+    out = sharding_pb2.ShardingProto()
+    out.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+    out.serialized_sharding.data = m.SerializeToString()
+    return out
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a sharding puts an array: slice ``slice_index``, with ``layout`` over all of
+    its chips; ``device`` set for a one-device array (kept on every chip)."""
+
+    slice_index: int
+    mesh: MeshShape
+    spec: Spec
+    device: int | None = None
+
+
+def place(sharding: ProxySharding, ndim: int, devices: Sequence[ProxyDevice],
+          chips: Sequence[int]) -> Placed:
+    """``sharding`` of an ``ndim``-dimensional array on the session's ``devices``; its
+    slices have ``chips[i]`` chips. ``ValueError`` naming what cannot be placed: an
+    unknown device, devices of several slices, some of a slice's chips."""
+    for d in sharding.device_ids:
+        if not 0 <= d < len(devices):
+            raise ValueError(f"device {d} is not one of this session's {len(devices)} devices "
+                             f"(0..{len(devices) - 1})")
+    slices = sorted({devices[d].slice_index for d in sharding.device_ids})
+    if len(slices) != 1:
+        raise ValueError(
+            f"the sharding spans devices of slices {slices} "
+            f"({', '.join(devices[d].slice_name for d in sharding.device_ids[:1])}, ...): an "
+            f"array lives on one slice here; meshes across slices are not served yet")
+    s = slices[0]
+    op = sharding.op
+    if len(sharding.device_ids) == 1 or (op is not None and _kind(op) == MAXIMAL):
+        device = sharding.device_ids[0] if op is None or _kind(op) != MAXIMAL else \
+            sharding.device_ids[int(op.tile_assignment_devices[0])]
+        return Placed(s, *replicated(chips[s], ndim), device=device)
+    ranks = [devices[d].rank for d in sharding.device_ids]
+    if op is None or _kind(op) == REPLICATED:
+        if sorted(ranks) != list(range(chips[s])):
+            raise ValueError(f"the sharding replicates over chips {sorted(ranks)} of slice "
+                             f"{devices[sharding.device_ids[0]].slice_name}, which has "
+                             f"{chips[s]}: arrays here are on all of a slice's chips or on one")
+        return Placed(s, *replicated(chips[s], ndim))
+    return Placed(s, *layout_of(op, ranks, ndim, chips[s]))

@@ -1,0 +1,98 @@
+"""Plain JAX scripts that ``test_proxy`` runs as a user would: no ``pathways_ray`` import,
+only environment variables and ``pathwaysutils.initialize()``. Each runs the same on 4
+local CPU devices (``JAX_PLATFORMS=cpu``), the reference its results are compared with.
+"""
+
+PREAMBLE = """
+import json, os, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+PROXY = os.environ.get("JAX_PLATFORMS") == "proxy"
+if PROXY:
+    import pathwaysutils
+    pathwaysutils.initialize()
+devices = jax.devices()
+# Slice 0's four chips, and slice 1's (locally: the same four CPU devices).
+mesh0 = Mesh(np.array(devices[:4]), ("data",))
+mesh1 = Mesh(np.array(devices[4:8] if PROXY else devices[:4]), ("data",))
+rng = np.random.default_rng(0)
+X = rng.normal(size=(64, 16)).astype(np.float32)
+Y = rng.normal(size=(64, 4)).astype(np.float32)
+params = {"w": rng.normal(size=(16, 4)).astype(np.float32) * 0.1, "b": np.zeros(4, np.float32)}
+
+def loss_fn(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+
+@jax.jit
+def step(p, x, y):
+    l, g = jax.value_and_grad(loss_fn)(p, x, y)
+    return l, jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+@jax.jit
+def other(z):
+    return jnp.sin(z) * 1.01 + 0.1
+
+p = jax.device_put(params, NamedSharding(mesh0, P()))
+x = jax.device_put(X, NamedSharding(mesh0, P("data")))
+y = jax.device_put(Y, NamedSharding(mesh0, P("data")))
+z = jax.device_put(np.arange(32, dtype=np.float32), NamedSharding(mesh1, P("data")))
+"""
+
+# 20 train steps on slice 0 while another program runs on slice 1; then a 4 MiB array
+# made on slice 0 is device_put to slice 1 and summed there.
+TRAIN = PREAMBLE + """
+losses = []
+for i in range(20):
+    l, p = step(p, x, y)
+    z = other(z)
+    losses.append(float(l))
+big = jax.jit(lambda: jnp.arange(1 << 20, dtype=jnp.float32).reshape(1024, 1024),
+              out_shardings=NamedSharding(mesh0, P("data")))()
+moved = jax.device_put(big, NamedSharding(mesh1, P("data")))
+print("RESULT", json.dumps({
+    "n": len(devices), "slices": [d.slice_index for d in devices] if PROXY else [],
+    "losses": losses, "z": np.asarray(z).tolist(), "w": np.asarray(p["w"]).tolist(),
+    "step_on": sorted({d.id for d in p["w"].sharding.device_set}),
+    "z_on": sorted({d.id for d in z.sharding.device_set}),
+    "moved_on": sorted({d.id for d in moved.sharding.device_set}),
+    "total": float(jax.jit(jnp.sum)(moved))}), flush=True)
+"""
+
+# Trains until a host of slice 0 dies under it; reports what the user sees.
+LOSS = PREAMBLE + """
+from pathwaysutils.elastic import elastic
+import time
+print("SLICE0", devices[0].slice_name, flush=True)
+error = None
+for i in range(100000):
+    try:
+        l, p = step(p, x, y)
+        print("STEP", i, float(l), flush=True)
+    except jax.errors.JaxRuntimeError as e:
+        error = e
+        break
+    time.sleep(0.05)
+out = {"error": str(error), "type": type(error).__name__,
+       "slice_down": elastic.is_error_due_to_slice_down(error)}
+try:
+    np.asarray(x)
+except jax.errors.JaxRuntimeError as e:
+    out["read_lost"] = str(e)
+z = other(z)
+out["other"] = np.asarray(z).tolist()
+out["active"] = sorted(elastic.get_active_slice_indices())
+print("RESULT", json.dumps(out), flush=True)
+"""
+
+# A mesh over both slices' chips: one program across slices is refused by name.
+ACROSS = PREAMBLE + """
+both = Mesh(np.array(devices[:8]), ("data",))
+try:
+    jax.jit(lambda a: a * 2, out_shardings=NamedSharding(both, P("data")))(np.ones(8))
+    print("RESULT", json.dumps({"error": None}))
+except Exception as e:
+    print("RESULT", json.dumps({"error": str(e), "type": type(e).__name__}))
+z = other(z)  # the session goes on
+print("OK", float(np.asarray(z).sum()), flush=True)
+"""
