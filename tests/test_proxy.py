@@ -124,12 +124,14 @@ def test_a_plain_jax_training_script_runs_unchanged_with_local_losses(proxy):
     assert through["put_bytes"] + through["fetched_bytes"] < 64 << 10, through
 
 
-def test_what_is_not_served_fails_by_name_and_the_server_keeps_serving(proxy):
+def test_a_host_callback_fails_by_name_and_the_server_keeps_serving(proxy):
+    """``jax.debug.print`` in a jit program (a host callback, not served yet: jaxlib's
+    proxy client refuses it before it reaches the server) is a JaxRuntimeError."""
     out = _plain_jax(proxy, "callback")
     assert out.returncode == 0, out.stdout + out.stderr
     error = next(ln for ln in out.stdout.splitlines() if ln.startswith("ERROR"))
     assert "JaxRuntimeError" in error and "UNIMPLEMENTED" in error, error
-    assert "host callbacks" in error, error
+    assert "host callback" in error, error
     again = _plain_jax(proxy)
     assert again.returncode == 0, again.stdout + again.stderr
 

@@ -80,12 +80,17 @@ class ArrayTable:
         self._arrays[handle] = value
 
     def get(self, handle: int) -> ProxyArray:
+        value = self.entry(handle)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def entry(self, handle: int) -> ProxyArray | BaseException:
+        """The array, or the error that making it met."""
         value = self._arrays.get(handle)
         if value is None:
             raise KeyError(f"unknown array handle {handle}: not an array of this session "
                            f"(destructed, or another session's)")
-        if isinstance(value, BaseException):
-            raise value
         return value
 
     def pop(self, handle: int) -> bool:

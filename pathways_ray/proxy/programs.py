@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pathways_ray.errors import SliceLost
 from pathways_ray.programs.hlo_program import HloProgram, HloSignature
 from pathways_ray.programs.program import ArgSignature, Program
 from pathways_ray.programs.sharding import MeshShape
@@ -75,9 +76,10 @@ class Executable:
 
     program: Program
     hlo: HloProgram
-    signature: HloSignature
+    signature: HloSignature | None  # None: its slice was lost before it compiled
     slice_index: int
     device_ids: tuple[int, ...]  # the client's devices, in its partition order
+    lost: SliceLost | None = None
 
     @property
     def single(self) -> bool:
@@ -120,9 +122,16 @@ def compile_program(table: ArrayTable, program_bytes: bytes, options_bytes: byte
     chips = table.chips[s]
     program = Program(hlo.fingerprint, name, MeshShape(("chips",), (chips,)), (), (), (),
                       hlo.blob)
-    status = table.client._compile(program, table.slice_names[s])
-    signature = HloSignature.from_bytes(
-        table.client._fetch_local(status, 0, timeout_s).tobytes())
+    try:
+        status = table.client._compile(program, table.slice_names[s])
+        signature = HloSignature.from_bytes(
+            table.client._fetch_local(status, 0, timeout_s).tobytes())
+    except SliceLost as e:
+        # As a Pathways server does: the program is accepted, and each run of it fails
+        # with DATA_LOSS (pathwaysutils' slice health check compiles for every slice
+        # and looks for that word in the runs' errors).
+        logger.warning("compiling %s: %s", name, e)
+        return Executable(program, hlo, None, s, device_ids, lost=e)
     out_sigs = tuple(ArgSignature(shape, dtype, spec, mesh) for (shape, dtype), (mesh, spec)
                      in zip(out_shapes, signature.out_layouts, strict=True))
     logger.info("compiled %s for %s on slice %s: %d in, %d out shardings, %d out shapes", name,
@@ -132,8 +141,12 @@ def compile_program(table: ArrayTable, program_bytes: bytes, options_bytes: byte
 
 
 def execute(table: ArrayTable, exe: Executable, args: list[ProxyArray]) -> list[ProxyArray]:
-    """Run ``exe`` on ``args`` (asynchronously: the results are handles at once)."""
+    """Run ``exe`` on ``args`` (asynchronously: the results are handles at once).
+    ``SliceLost`` if its slice is gone."""
     import jax
+
+    if exe.lost is not None:
+        raise exe.lost
 
     remote = [table.on_chips(a, exe.slice_index) for a in args]
     n = len(exe.program.out_sigs)

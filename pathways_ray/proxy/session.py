@@ -51,11 +51,18 @@ def _natural(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
+def _raiser(e: BaseException) -> Callable[[], None]:
+    def wait() -> None:
+        raise e
+
+    return wait
+
+
 def status_of(e: BaseException) -> tuple[int, str]:
     """The status a client sees for ``e``: a lost slice is ``DATA_LOSS`` (the word
     pathwaysutils.elastic looks for), the user's program an error with its message."""
     if isinstance(e, SliceLost):
-        return DATA_LOSS, f"DATA_LOSS: {e}"
+        return DATA_LOSS, str(e)  # the client names the code: "DATA_LOSS: slice ..."
     if isinstance(e, RemoteError):
         return INTERNAL, str(e)
     if isinstance(e, PathwaysError):
@@ -348,40 +355,60 @@ class Session:
 
         exe = self._executable(req.loaded_executable_handle)
         out = response.loaded_executable_metadata_response
-        for ops, into in ((exe.signature.in_shardings, out.parameter_shardings),
-                          (exe.signature.out_shardings, out.output_shardings)):
-            into.SetInParent()
-            into.shardings.extend(xla_xla_data_pb2.OpSharding.FromString(b) for b in ops)
+        if exe.signature is not None:
+            for ops, into in ((exe.signature.in_shardings, out.parameter_shardings),
+                              (exe.signature.out_shardings, out.output_shardings)):
+                into.SetInParent()
+                into.shardings.extend(xla_xla_data_pb2.OpSharding.FromString(b) for b in ops)
+            # One list for the program, a kind per result.
+            out.output_memory_kinds.memory_kind_lists.add().memory_kinds.extend(
+                ["device"] * len(exe.hlo.out_shapes))
+        else:  # lost before it compiled: JAX then keeps the shardings it asked for
+            out.output_memory_kinds.status.code = DATA_LOSS
+            out.output_memory_kinds.status.message = str(exe.lost)
         for field in ("parameter_layouts_error", "output_layouts_error",
                       "donated_input_indices_error", "compiled_memory_stats_error"):
             getattr(out, field).code = UNIMPLEMENTED
             getattr(out, field).message = "not reported by the pathways-ray proxy"
-        # One list for the program, a kind per result.
-        out.output_memory_kinds.memory_kind_lists.add().memory_kinds.extend(
-            ["device"] * len(exe.program.out_sigs))
 
     def _loaded_executable_execute(self, req, response) -> None:
+        """Results are handles at once; a run on a lost slice answers with results that
+        hold ``DATA_LOSS`` (as its status does), raised where the client reads them."""
         exe = self._executable(req.loaded_executable_handle)
-        args = [self.arrays.get(h) for h in req.args_handles]
-        outs = programs.execute(self.arrays, exe, args)
-        handles = list(req.result_array_handle) or [0] * len(outs)
-        made = [self._new(h, a) for h, a in zip(handles, outs, strict=True)]
+        args = [self.arrays.entry(h) for h in req.args_handles]
+        failed = next((a for a in args if isinstance(a, BaseException)), None)
+        try:
+            if failed is not None:  # an input's error is its results' (as IFRT's futures)
+                raise failed
+            outs: list = programs.execute(self.arrays, exe, args)
+        except SliceLost as e:
+            outs = [e] * len(exe.hlo.out_shapes)
+        handles = [h or next(self._handles)
+                   for h in (list(req.result_array_handle) or [0] * len(outs))]
+        for h, a in zip(handles, outs, strict=True):
+            self.arrays.set(h, a)
         out = response.loaded_executable_execute_response
         out.SetInParent()
         if req.execute_options.fill_status:
             status = req.result_status_handle or next(self._handles)
-            self._futures[status] = lambda: self.arrays.ready(outs, self._timeout_s)
+            arrays = [a for a in outs if isinstance(a, ProxyArray)]
+            failed = next((a for a in outs if isinstance(a, BaseException)), None)
+            self._futures[status] = (
+                (lambda: self.arrays.ready(arrays, self._timeout_s)) if failed is None
+                else _raiser(failed))
             out.status_handle = status
         if not req.result_array_handle:
             from pathways_ray.proxy.types import dtype_proto, hlo_sharding_proto
 
-            for i, (h, a) in enumerate(zip(made, outs, strict=True)):
+            kind = self.devices[exe.device_ids[0]].memory_kind
+            for i, (h, (shape, dtype)) in enumerate(zip(handles, exe.hlo.out_shapes,
+                                                        strict=True)):
                 o = out.outputs.add(array_handle=h)
-                o.dtype.CopyFrom(dtype_proto(a.dtype))
-                o.shape.dims.extend(a.shape)
-                o.sharding.CopyFrom(hlo_sharding_proto(
-                    a.device_ids, None if exe.single else exe.signature.out_shardings[i],
-                    self.devices[a.device_ids[0]].memory_kind))
+                o.dtype.CopyFrom(dtype_proto(dtype))
+                o.shape.dims.extend(shape)
+                op = (None if exe.single or exe.signature is None
+                      else exe.signature.out_shardings[i])
+                o.sharding.CopyFrom(hlo_sharding_proto(exe.device_ids, op, kind))
 
     def _loaded_executable_fetch_execute_result(self, req, response, wait) -> None:
         wait()
