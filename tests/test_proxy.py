@@ -124,6 +124,27 @@ def test_a_plain_jax_training_script_runs_unchanged_with_local_losses(proxy):
     assert through["put_bytes"] + through["fetched_bytes"] < 64 << 10, through
 
 
+# Runs a module as ``python -m`` would, after the one line a pathwaysutils user adds.
+RUN_MODULE = ("import pathwaysutils, runpy, sys; pathwaysutils.initialize(); "
+              "name = sys.argv[1]; sys.argv = [name]; "
+              "runpy.run_module(name, run_name='__main__', alter_sys=True)")
+
+
+@pytest.mark.parametrize("module,tests", [("optax._src.update_test", 6),
+                                          ("optax._src.combine_test", 15)])
+def test_optax_own_test_modules_run_unmodified(proxy, module, tests, tmp_path):
+    """Optax's published tests (in its wheel): ``update_test`` checks apply_updates,
+    incremental and periodic updates; ``combine_test`` chains transformations, names
+    them and partitions optimizers over parameter labels. Every array and program of
+    them runs on the session's chips (one-device programs on slice 0's)."""
+    before = proxy.stats()["sessions"]
+    out = subprocess.run([sys.executable, "-c", RUN_MODULE, module], capture_output=True,
+                         text=True, timeout=300, env=_env(proxy), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert f"Ran {tests} tests" in out.stderr and "\nOK" in out.stderr, out.stderr[-4000:]
+    assert proxy.stats()["sessions"] == before + 1
+
+
 def test_a_host_callback_fails_by_name_and_the_server_keeps_serving(proxy):
     """``jax.debug.print`` in a jit program (a host callback, not served yet: jaxlib's
     proxy client refuses it before it reaches the server) is a JaxRuntimeError."""
