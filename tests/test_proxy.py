@@ -197,6 +197,58 @@ def test_a_client_outside_the_protocol_versions_is_refused_naming_both_ranges(pr
         assert ask(16, 30).version.protocol_version == versions.MAX_VERSION
 
 
+# The client as a user who passes the proxy's token registers it (in place of
+# pathwaysutils.initialize(), which passes no initialization_data).
+TOKEN_JAX = """
+import json, os
+import jax
+from jax.extend import backend
+from jax.extend.backend import ifrt_proxy
+
+def client():
+    options = ifrt_proxy.ClientConnectionOptions()
+    # jaxlib's client retries a refused session (once a second) until this timeout
+    options.connection_timeout_in_seconds = int(os.environ["CONNECT_TIMEOUT_S"])
+    if "PATHWAYS_RAY_PROXY_TOKEN" in os.environ:
+        options.initialization_data = {
+            "pathways_ray_token": os.environ["PATHWAYS_RAY_PROXY_TOKEN"].encode()}
+    return ifrt_proxy.get_client(jax.config.read("jax_backend_target"), options)
+
+backend.register_backend_factory("proxy", client, priority=-1)
+try:
+    print("RESULT", json.dumps({"n": len(jax.devices())}))
+except Exception as e:
+    print("RESULT", json.dumps({"error": str(e), "type": type(e).__name__}))
+"""
+
+
+def test_a_session_without_the_token_or_with_another_is_refused_by_name(proxy):
+    from pathways_ray.proxy.server import ProxyServer
+
+    with pytest.raises(ValueError, match="host='0.0.0.0' serves the network: give token"):
+        ProxyServer(["v6e-2x2"], host="0.0.0.0")
+    with ProxyServer(["v6e-2x2", "v6e-2x2"], token="t0ken") as guarded:
+        assert guarded.exports["PATHWAYS_RAY_PROXY_TOKEN"] == "t0ken"
+        env = {k: v for k, v in _env(guarded).items() if k != "PATHWAYS_RAY_PROXY_TOKEN"}
+
+        def run(token, timeout_s=3):
+            given = {} if token is None else {"PATHWAYS_RAY_PROXY_TOKEN": token}
+            out = subprocess.run([sys.executable, "-c", TOKEN_JAX], capture_output=True,
+                                 text=True, timeout=240,
+                                 env={**env, **given, "CONNECT_TIMEOUT_S": str(timeout_s)})
+            assert out.returncode == 0, out.stderr[-3000:]
+            return json.loads(next(ln for ln in out.stdout.splitlines()
+                                   if ln.startswith("RESULT")).removeprefix("RESULT"))
+
+        missing = run(None)
+        assert "UNAUTHENTICATED" in missing["error"], missing
+        assert "present its token" in missing["error"], missing
+        wrong = run("guess")
+        assert "UNAUTHENTICATED" in wrong["error"] and "not this proxy's" in wrong["error"]
+        assert guarded.sessions == 0 and guarded.stats()["sessions"] == 0
+        assert run("t0ken", 60) == {"n": 8}  # and the server kept serving
+
+
 def test_a_killed_host_is_data_loss_naming_the_slice_and_the_other_slice_answers(proxy):
     """Last in this module: it takes a host of the fleet away (and brings it back)."""
     proc = subprocess.Popen([sys.executable, "-c", proxy_scripts.LOSS], stdout=subprocess.PIPE,

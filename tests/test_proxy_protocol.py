@@ -116,3 +116,27 @@ def test_a_session_whose_slices_cannot_be_had_says_why():
         request_metadata=ifrt_pb2.RequestMetadata(op_id=1), init_request={}))
     assert resp.response_metadata.status.code != 0
     assert "no free TPU slice" in resp.response_metadata.status.message
+
+
+def test_a_program_for_more_devices_than_the_session_has_is_refused_by_name():
+    """A compile whose device assignment names 16 devices, in a session of 8: the
+    error names the device and the session's range, before anything reaches a chip."""
+    from pathways_ray.proxy.protos import xla_python_pjrt_ifrt_xla_compiler_pb2 as xc_pb2
+    from pathways_ray.proxy.session import INVALID_ARGUMENT
+
+    client = _FakeClient()
+    session = Session(3, 25, lambda: client)
+    session.handle(ifrt_pb2.IfrtRequest(init_request={}))
+    options = xc_pb2.XlaCompileOptionsProto()
+    assignment = options.compile_options.executable_build_options.device_assignment
+    assignment.replica_count, assignment.computation_count = 1, 16
+    for d in range(16):
+        assignment.computation_devices.add().replica_device_ids.append(d)
+    request = ifrt_pb2.IfrtRequest(request_metadata=ifrt_pb2.RequestMetadata(op_id=9))
+    request.compile_request.program.data = b"not even looked at"
+    request.compile_request.compile_options.data = options.SerializeToString()
+    resp = session.handle(request)
+    assert resp.response_metadata.status.code == INVALID_ARGUMENT
+    assert ("the program is for device 8; this session has 8 devices (0..7)"
+            in resp.response_metadata.status.message)
+    session.close()

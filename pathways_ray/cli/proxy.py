@@ -4,6 +4,7 @@ the fleet, through the IFRT proxy protocol (``pathways_ray.proxy``)."""
 from __future__ import annotations
 
 import argparse
+import secrets
 import threading
 
 from pathways_ray.cli.common import cluster_flags, connect_for_status, console, err
@@ -41,12 +42,16 @@ def register(sub) -> dict:
                    help="the address to listen on (default 127.0.0.1; the gRPC is plain: "
                    "put anything else behind the cluster's network controls)")
     p.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
+    p.add_argument("--token", default=None,
+                   help="serve only sessions that present this token (their "
+                   "initialization_data pathways_ray_token); 'auto' makes one. Default: "
+                   "none on 127.0.0.1, 'auto' on any other --host")
     cluster_flags(p)
     return {"proxy": cmd_proxy}
 
 
 def cmd_proxy(args) -> int:
-    from pathways_ray.proxy.server import ProxyServer
+    from pathways_ray.proxy.server import LOOPBACK, ProxyServer
 
     if args.service is not None:
         slices: list | dict = {}
@@ -54,16 +59,23 @@ def cmd_proxy(args) -> int:
             slices[shape] = slices.get(shape, 0) + n
     else:
         slices = [shape for shape, n in args.slices for _ in range(n)]
+    token = args.token
+    if token is None and args.host not in LOOPBACK:
+        token = "auto"
+    if token == "auto":
+        token = secrets.token_urlsafe(24)
     fleet = connect_for_status(argparse.Namespace(address=args.address, name=args.fleet))
     try:
-        server = ProxyServer(slices, service=args.service, host=args.host, port=args.port)
+        server = ProxyServer(slices, service=args.service, host=args.host, port=args.port,
+                             token=token)
         server.start()
         try:
             console.print(f"IFRT proxy serving at {server.address}; run a JAX program with:")
             for key, value in server.exports.items():
                 console.print(f"  export {key}={value}", soft_wrap=True, highlight=False)
-            console.print("  # and pathwaysutils.initialize() before the first jax call",
-                          highlight=False)
+            console.print("  # and pathwaysutils.initialize() before the first jax call"
+                          + (" (with the token: see 'Run your JAX program unchanged')"
+                             if token else ""), highlight=False)
             err.print("Ctrl-C stops it")
             threading.Event().wait()  # until Ctrl-C / SIGTERM (KeyboardInterrupt)
         finally:

@@ -6,16 +6,22 @@ of the single controller, so that an unmodified JAX program (``JAX_PLATFORMS=pro
 stream is one client's world (``session.Session``), with its host buffers on the
 ``HostBuffer*`` calls beside it.
 
-Security: the server listens on 127.0.0.1 unless given another host. The gRPC is
+Security: the server listens on 127.0.0.1 unless given another host, and on any
+other it serves only sessions that present its token (``initialization_data``
+``pathways_ray_token``; optional on loopback). Session ids are random: the host-buffer
+calls, which name a session by its id alone, cannot reach another's. The gRPC is
 plain (``IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS=true`` on the client; jaxlib reads
-"true" only: "1" still asks for ALTS): keep it on loopback, or behind the cluster's
-own network controls (a Kubernetes NetworkPolicy, a private VPC).
+"true" only: "1" still asks for ALTS), so the token crosses the network in the clear:
+keep the server on loopback, or behind the cluster's own network controls (a
+Kubernetes NetworkPolicy, a private VPC).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -38,14 +44,16 @@ logger = logging.getLogger(__name__)
 
 SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
+TOKEN_KEY = "pathways_ray_token"  # in the client's initialization_data
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 CHUNK = 4 << 20  # bytes per message of a host buffer on its way back
 
 
 class _Service(grpc_service.GrpcIfrtServiceServicer):
-    def __init__(self, connect: Callable[[], object]):
+    def __init__(self, connect: Callable[[], object], token: str | None = None):
         self._connect = connect
+        self.token = token
         self._lock = threading.Lock()
-        self._next_id = 1
         self.sessions: dict[int, Session] = {}
         self.closed: list[dict[str, int]] = []  # the counters of sessions that ended
 
@@ -99,15 +107,37 @@ class _Service(grpc_service.GrpcIfrtServiceServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no host buffer {request.handle}")
         return grpc_pb2.GrpcHostBufferDeleteResponse()
 
+    def _refusal(self, meta, peer: str) -> str | None:
+        """Why a session is refused (no token, or another), or None. The session is
+        still opened, to answer its InitRequest with that reason: a refused stream
+        reads to jaxlib's client as a server to retry, and hides it."""
+        if self.token is None:
+            return None
+        given = meta.initialization_data.attributes.get(TOKEN_KEY)
+        if given is None:
+            logger.warning("refused a session from %s: no token", peer)
+            return (f"this pathways-ray proxy serves only sessions that present its token: "
+                    f"give the client initialization_data={{'{TOKEN_KEY}': "
+                    f"$PATHWAYS_RAY_PROXY_TOKEN}} (see 'Run your JAX program unchanged' in "
+                    f"the docs)")
+        if not hmac.compare_digest(given.string_value, self.token.encode()):
+            logger.warning("refused a session from %s: a wrong token", peer)
+            return ("the token this session presented is not this proxy's "
+                    "($PATHWAYS_RAY_PROXY_TOKEN where the proxy was started)")
+        return None
+
     def IfrtSession(self, request_iterator, context) -> Iterator:  # noqa: N802
         metadata = dict(context.invocation_metadata())
         meta = grpc_pb2.GrpcIfrtSessionMetadata()
         if SESSION_METADATA in metadata:
             meta.ParseFromString(metadata[SESSION_METADATA])
+        refused = self._refusal(meta, context.peer())
         with self._lock:
-            session = Session(self._next_id, meta.version.protocol_version, self._connect)
-            self._next_id += 1
-            self.sessions[session.id] = session
+            # A random id: the host-buffer calls name their session by it alone.
+            session = Session(secrets.randbits(62), meta.version.protocol_version,
+                              self._connect, refused=refused)
+            if refused is None:
+                self.sessions[session.id] = session
         logger.info("session %d opened (protocol version %d, from %s)", session.id,
                     session.version, context.peer())
         responses: queue.Queue = queue.Queue()
@@ -140,8 +170,8 @@ class _Service(grpc_service.GrpcIfrtServiceServicer):
                 logger.warning("session %d: closing its client failed", session.id,
                                exc_info=True)
             with self._lock:
-                self.sessions.pop(session.id, None)
-                self.closed.append(session.stats())
+                if self.sessions.pop(session.id, None) is not None:
+                    self.closed.append(session.stats())
             logger.info("session %d closed", session.id)
 
 
@@ -156,13 +186,18 @@ class ProxyServer:
     """
 
     def __init__(self, slices: list | dict | None = None, *, service: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, max_workers: int = 16):
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 max_workers: int = 16):
         from pathways_ray.client.connect import connect
 
         if service is not None and not isinstance(slices, dict):
             raise ValueError(f"slices={slices!r} with service={service!r}: say what each "
                              f"session leases, e.g. slices={{'v6e-2x2': 2}}")
-        self._service = _Service(lambda: connect(slices, service=service))
+        if token is None and host not in LOOPBACK:
+            raise ValueError(f"host={host!r} serves the network: give token=... (the "
+                             f"CLI makes one), so that only its holders get a session")
+        self.token = token
+        self._service = _Service(lambda: connect(slices, service=service), token)
         self._server = grpc.server(futures.ThreadPoolExecutor(
             max_workers=max_workers, thread_name_prefix="pathways-ray-proxy"))
         grpc_service.add_GrpcIfrtServiceServicer_to_server(self._service, self._server)
@@ -178,8 +213,11 @@ class ProxyServer:
     @property
     def exports(self) -> dict[str, str]:
         """What a JAX program's environment needs to use this server."""
-        return {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": self.address,
-                "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS": "true"}
+        out = {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": self.address,
+               "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS": "true"}
+        if self.token is not None:
+            out["PATHWAYS_RAY_PROXY_TOKEN"] = self.token
+        return out
 
     @property
     def sessions(self) -> int:

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 # tensorflow.error.Code
 (INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, FAILED_PRECONDITION, UNIMPLEMENTED, INTERNAL,
- UNAVAILABLE, DATA_LOSS) = 3, 4, 5, 9, 12, 13, 14, 15
+ UNAVAILABLE, DATA_LOSS, UNAUTHENTICATED) = 3, 4, 5, 9, 12, 13, 14, 15, 16
 SERVER_HANDLES = 1 << 62  # above the client's own handles
 WAITS = {"check_value_ready_request", "check_future_request", "copy_to_host_buffer_request",
          "loaded_executable_fetch_execute_result_request"}
@@ -75,13 +75,16 @@ def status_of(e: BaseException) -> tuple[int, str]:
         return DEADLINE_EXCEEDED, str(e)
     if isinstance(e, NotImplementedError):
         return UNIMPLEMENTED, str(e)
+    if isinstance(e, PermissionError):
+        return UNAUTHENTICATED, str(e)
     return INTERNAL, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
 
 
 class Session:
     def __init__(self, session_id: int, version: int, connect: Callable[[], object],
-                 fetch_timeout_s: float | None = None):
+                 fetch_timeout_s: float | None = None, refused: str | None = None):
         self.id = session_id
+        self.refused = refused  # why every request is answered UNAUTHENTICATED
         self.version = version
         self._connect = connect
         self.client = None
@@ -147,6 +150,8 @@ class Session:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("session %d <- %s", self.id, str(request).replace("\n", " ")[:300])
         try:
+            if self.refused is not None:
+                raise PermissionError(self.refused)
             if isinstance(prepared, BaseException):
                 raise prepared
             if kind != "init_request" and self.arrays is None:
