@@ -32,15 +32,23 @@ from pathways_ray.proxy.devices import ProxyDevice, plan_devices
 from pathways_ray.proxy.host_buffers import HostBuffers
 from pathways_ray.proxy.init import init_response
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
+from pathways_ray.proxy.session_programs import (
+    DATA_LOSS,
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    UNAUTHENTICATED,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    ProgramRequests,
+)
 from pathways_ray.proxy.types import dtype_of, parse_sharding
 
 __all__ = ["Session", "status_of"]
 
 logger = logging.getLogger(__name__)
 
-# tensorflow.error.Code
-(INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, FAILED_PRECONDITION, UNIMPLEMENTED, INTERNAL,
- UNAVAILABLE, DATA_LOSS, UNAUTHENTICATED) = 3, 4, 5, 9, 12, 13, 14, 15, 16
 SERVER_HANDLES = 1 << 62  # above the client's own handles
 WAITS = {"check_value_ready_request", "check_future_request", "copy_to_host_buffer_request",
          "loaded_executable_fetch_execute_result_request"}
@@ -49,13 +57,6 @@ WAITS = {"check_value_ready_request", "check_future_request", "copy_to_host_buff
 def _natural(name: str) -> tuple:
     """Slice names in their numbers' order: v6e-2x2-2 before v6e-2x2-10."""
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
-
-
-def _raiser(e: BaseException) -> Callable[[], None]:
-    def wait() -> None:
-        raise e
-
-    return wait
 
 
 def status_of(e: BaseException) -> tuple[int, str]:
@@ -80,7 +81,7 @@ def status_of(e: BaseException) -> tuple[int, str]:
     return INTERNAL, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
 
 
-class Session:
+class Session(ProgramRequests):
     def __init__(self, session_id: int, version: int, connect: Callable[[], object],
                  fetch_timeout_s: float | None = None, refused: str | None = None):
         self.id = session_id
@@ -329,122 +330,3 @@ class Session:
     def _check_future(self, req, response, wait: Callable[[], None]) -> None:
         wait()
         response.check_future_response.SetInParent()
-
-    # ---- programs --------------------------------------------------------------------
-    def _compile(self, req, response) -> None:
-        if req.host_callbacks:
-            raise NotImplementedError("programs with host callbacks (jax.debug.print, "
-                                      "pure_callback) are not served by the pathways-ray proxy")
-        exe = programs.compile_program(self.arrays, req.program.data, req.compile_options.data,
-                                       self._timeout_s)
-        handle = next(self._handles)
-        self.executables[handle] = exe
-        ready = next(self._handles)
-        self._futures[ready] = lambda: None
-        out = response.compile_response
-        out.loaded_executable_handle = handle
-        out.name = exe.program.fun_name
-        out.num_devices = len(exe.device_ids)
-        out.device_ids.extend(exe.device_ids)
-        out.addressable_device_ids.extend(exe.device_ids)
-        out.fingerprint_value = exe.program.fingerprint.encode()
-        out.ready_future_handle = ready
-
-    def _executable(self, handle: int) -> programs.Executable:
-        if handle not in self.executables:
-            raise KeyError(f"unknown loaded executable handle {handle}")
-        return self.executables[handle]
-
-    def _loaded_executable_metadata(self, req, response) -> None:
-        from pathways_ray.proxy.protos import xla_xla_data_pb2
-
-        exe = self._executable(req.loaded_executable_handle)
-        out = response.loaded_executable_metadata_response
-        if exe.signature is not None:
-            for ops, into in ((exe.signature.in_shardings, out.parameter_shardings),
-                              (exe.signature.out_shardings, out.output_shardings)):
-                into.SetInParent()
-                into.shardings.extend(xla_xla_data_pb2.OpSharding.FromString(b) for b in ops)
-            # One list for the program, a kind per result.
-            out.output_memory_kinds.memory_kind_lists.add().memory_kinds.extend(
-                ["device"] * len(exe.hlo.out_shapes))
-        else:  # lost before it compiled: JAX then keeps the shardings it asked for
-            out.output_memory_kinds.status.code = DATA_LOSS
-            out.output_memory_kinds.status.message = str(exe.lost)
-        for field in ("parameter_layouts_error", "output_layouts_error",
-                      "donated_input_indices_error", "compiled_memory_stats_error"):
-            getattr(out, field).code = UNIMPLEMENTED
-            getattr(out, field).message = "not reported by the pathways-ray proxy"
-
-    def _loaded_executable_execute(self, req, response) -> None:
-        """Results are handles at once; a run on a lost slice answers with results that
-        hold ``DATA_LOSS`` (as its status does), raised where the client reads them."""
-        exe = self._executable(req.loaded_executable_handle)
-        args = [self.arrays.entry(h) for h in req.args_handles]
-        failed = next((a for a in args if isinstance(a, BaseException)), None)
-        try:
-            if failed is not None:  # an input's error is its results' (as IFRT's futures)
-                raise failed
-            outs: list = programs.execute(self.arrays, exe, args)
-        except SliceLost as e:
-            outs = [e] * len(exe.hlo.out_shapes)
-        handles = [h or next(self._handles)
-                   for h in (list(req.result_array_handle) or [0] * len(outs))]
-        for h, a in zip(handles, outs, strict=True):
-            self.arrays.set(h, a)
-        out = response.loaded_executable_execute_response
-        out.SetInParent()
-        if req.execute_options.fill_status:
-            status = req.result_status_handle or next(self._handles)
-            arrays = [a for a in outs if isinstance(a, ProxyArray)]
-            failed = next((a for a in outs if isinstance(a, BaseException)), None)
-            self._futures[status] = (
-                (lambda: self.arrays.ready(arrays, self._timeout_s)) if failed is None
-                else _raiser(failed))
-            out.status_handle = status
-        if not req.result_array_handle:
-            from pathways_ray.proxy.types import dtype_proto, hlo_sharding_proto
-
-            kind = self.devices[exe.device_ids[0]].memory_kind
-            for i, (h, (shape, dtype)) in enumerate(zip(handles, exe.hlo.out_shapes,
-                                                        strict=True)):
-                o = out.outputs.add(array_handle=h)
-                o.dtype.CopyFrom(dtype_proto(dtype))
-                o.shape.dims.extend(shape)
-                op = (None if exe.single or exe.signature is None
-                      else exe.signature.out_shardings[i])
-                o.sharding.CopyFrom(hlo_sharding_proto(exe.device_ids, op, kind))
-
-    def _loaded_executable_fetch_execute_result(self, req, response, wait) -> None:
-        wait()
-        response.loaded_executable_fetch_execute_result_response.SetInParent()
-
-    def _loaded_executable_destruct(self, req, response) -> None:
-        self._executable(req.loaded_executable_handle)
-        del self.executables[req.loaded_executable_handle]
-        response.loaded_executable_destruct_response.SetInParent()
-
-    def _get_default_layout(self, req, response) -> None:
-        """The layout JAX's CPU devices give an array by default (the emulated chips are
-        JAX CPU devices); TPU layouts are the chips' own and not reported here."""
-        if not 0 <= req.device_id < len(self.devices):
-            raise ValueError(f"device {req.device_id} is not one of this session's devices")
-        if self.devices[req.device_id].platform != "cpu":
-            raise NotImplementedError("default layouts of TPU devices are not reported by "
-                                      "the pathways-ray proxy")
-        import jax
-
-        cpu = jax.devices("cpu")[0]
-        layout = cpu.client.get_default_layout(dtype_of(req.dtype), tuple(req.dims), cpu)
-        response.get_default_layout_response.serialized_pjrt_layout = layout.__getstate__()[0]
-
-    def _get_default_device_assignment(self, req, response) -> None:
-        n = req.num_replicas * req.num_partitions
-        if n > len(self.devices):
-            raise ValueError(f"{req.num_replicas} replicas x {req.num_partitions} partitions "
-                             f"need {n} devices; this session has {len(self.devices)}")
-        out = response.get_default_device_assignment_response.device_assignment
-        out.replica_count, out.computation_count = req.num_replicas, req.num_partitions
-        for p in range(req.num_partitions):
-            out.computation_devices.add().replica_device_ids.extend(
-                r * req.num_partitions + p for r in range(req.num_replicas))
