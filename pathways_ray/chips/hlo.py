@@ -3,7 +3,8 @@ compile it for the placement's devices in the client's partition order, and run 
 the chip's buffers.
 
 The compile options are the client's own (its partitioner, its flags), with the
-device assignment made this world's. Results become global ``jax.Array``s laid out
+device assignment made this world's; the compile goes through JAX's persistent
+compilation cache, as the chips' own programs do. Results become global ``jax.Array``s laid out
 as XLA chose (``programs.hlo_sharding.layout_of``), so the next command, a fetch or
 a copy to another slice treats them as any other buffer.
 """
@@ -51,6 +52,23 @@ class CompiledHlo:
                 in zip(self.program.out_shapes, self.signature.out_layouts, outs, strict=True)]
 
 
+def _compile_or_load(module: bytes, devices: list, options):
+    """Compile through JAX's persistent compilation cache (a hit loads the executable
+    another process compiled), as JAX's own jit does."""
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+    from jax._src.lib.mlir import ir
+
+    with mlir.make_ir_context():
+        try:
+            parsed = xc._xla.mlir.deserialize_portable_artifact(module)
+        except Exception:  # noqa: BLE001 - not an artifact: plain bytecode or text
+            parsed = ir.Module.parse(module)
+        return compiler.compile_or_get_cached(devices[0].client, parsed, np.array(devices),
+                                              options, [], xc.DeviceList(tuple(devices)))
+
+
 def compile_hlo(program: HloProgram, start: int, chips: int,
                 sharding: Callable[[MeshShape, Spec, int], object]) -> CompiledHlo:
     """Compile ``program`` for the placement of ``chips`` chips at world device
@@ -65,8 +83,7 @@ def compile_hlo(program: HloProgram, start: int, chips: int,
     options.device_assignment = xc.DeviceAssignment.create(
         np.array([[d.id for d in devices]]))
     t0 = time.monotonic()
-    executable = devices[0].client.compile_and_load(
-        program.module, xc.DeviceList(tuple(devices)), options)
+    executable = _compile_or_load(program.module, devices, options)
     logger.info("program %s (%s): compiled for %d devices in %.2f s", program.fingerprint[:12],
                 program.name, len(devices), time.monotonic() - t0)
     outs = executable.get_output_shardings() or []
