@@ -140,6 +140,53 @@ def test_compile_ahead_ships_and_compiles_without_running(client, mesh):
         f.lower(jax.ShapeDtypeStruct((4, 8), np.float32), v_spec)
 
 
+def _scale_and_add(x_ref, y_ref, o_ref):  # a Pallas TPU kernel, as TPU users write them
+    o_ref[...] = x_ref[...] * 2.0 + y_ref[...]
+
+
+def test_a_pallas_kernel_runs_on_the_emulated_fleet_as_the_same_function_without_it(
+        client, mesh):
+    """``client.jit`` exports for the platform of the slice the arguments are on: on the
+    emulated fleet ("cpu") a Pallas kernel is traced in Pallas' interpret mode, so the
+    code written for TPU runs here unchanged, with the values of plain jnp."""
+    from jax.experimental import pallas as pl
+
+    def with_pallas(x, y):
+        blocks = pl.BlockSpec((8, 128), lambda i: (i, 0))
+        z = pl.pallas_call(_scale_and_add, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           grid=(x.shape[0] // 8,), in_specs=[blocks, blocks],
+                           out_specs=blocks)(x, y)
+        return jnp.tanh(z).sum(axis=1)
+
+    def without(x, y):
+        return jnp.tanh(x * 2.0 + y).sum(axis=1)
+
+    rng = np.random.default_rng(3)
+    x_np, y_np = (rng.normal(size=(32, 128)).astype(np.float32) for _ in range(2))
+    x = client.device_put(x_np, NamedSharding(mesh, P()))
+    y = client.device_put(y_np, NamedSharding(mesh, P()))
+    got = client.jit(with_pallas)(x, y)
+    want = client.jit(without)(x, y)
+    np.testing.assert_allclose(got.fetch(), want.fetch(), rtol=1e-6)
+    np.testing.assert_allclose(got.fetch(), np.tanh(x_np * 2 + y_np).sum(axis=1), rtol=1e-5)
+    assert client.platform(client.slices[0].name) == "cpu"
+
+
+def test_a_program_exported_for_another_platform_fails_on_the_client_naming_both(client,
+                                                                                mesh):
+    f = client.jit(lambda a: a + 1)
+    spec = jax.ShapeDtypeStruct((4,), np.float32, sharding=NamedSharding(mesh, P()))
+    lowered = f.lower(spec, platform="tpu")
+    assert lowered.program.platform == "tpu"
+    a = client.device_put(np.zeros(4, np.float32), NamedSharding(mesh, P()))
+    name = client.slices[0].name
+    with pytest.raises(ValueError, match=rf"exported for tpu; slice {name} runs cpu"):
+        lowered(a)
+    with pytest.raises(ValueError, match=rf"exported for tpu; slice {name} runs cpu"):
+        lowered.compile(slice=0)
+    np.testing.assert_array_equal(f(a).fetch(), np.ones(4))  # the slice is fine
+
+
 def test_failing_program_returns_remote_traceback_and_slice_lives(client, mesh):
     """An error while a program runs (here: out of memory) comes back with the remote
     traceback when the result is fetched; the slice keeps running programs."""

@@ -19,11 +19,13 @@ __all__ = ["Layout", "RemoteArray", "SliceInfo", "spec_of"]
 @dataclass(frozen=True)
 class SliceInfo:
     """What the client knows of a slice, or of a multislice group of slices (a mesh
-    across them): its name, shape and chips. The controller holds the slice itself."""
+    across them): its name, shape, chips and their platform ("tpu", or "cpu" on the
+    emulated fleet). The controller holds the slice itself."""
 
     name: str
     topology: str
     chips: int
+    platform: str = "cpu"
 
 
 def _mesh_shape(mesh) -> MeshShape:

@@ -55,9 +55,11 @@ class Client(Results, Resharding):
         timeout = start_timeout_s or 4 * (config.timeout_s("reserve")
                                           + config.timeout_s("worker_start"))
         described = self._call("start", timeout=timeout)
-        self.slices = [SliceInfo(d["name"], d["topology"], d["chips"]) for d in described]
+        self.slices = [SliceInfo(d["name"], d["topology"], d["chips"], d["platform"])
+                       for d in described]
         self._pg_ids.update((d["name"], d["placement_groups"]) for d in described)
         self._chips = {s.name: s.chips for s in self.slices}
+        self._platforms = {s.name: s.platform for s in self.slices}
         self._groups: dict[str, SliceInfo] = {}  # multislice placements, by name
         self._ids = itertools.count(1)
         self._registered: set[str] = set()
@@ -178,9 +180,11 @@ class Client(Results, Resharding):
         key = "+".join(names)
         if key not in self._groups:
             info = self._call("group", names)
-            g = SliceInfo(info["name"], info["topology"], info["chips"])
+            g = SliceInfo(info["name"], info["topology"], info["chips"],
+                          self.slice(names[0]).platform)
             self._queue.add(g.name, names)
             self._chips[g.name] = g.chips
+            self._platforms[g.name] = g.platform
             self._groups[g.name] = g
         return self._groups[key]
 
@@ -251,6 +255,7 @@ class Client(Results, Resharding):
             if a._client is not self:
                 self._own(a)
         target = target or arrays[0].slice
+        self._check_platform(program, target)
         if not checked:  # JitFunction matched the signature already; Compiled must check
             program.check_args([a.signature for a in arrays], self._chips[target])
         if program.fingerprint not in self._registered:
@@ -265,6 +270,18 @@ class Client(Results, Resharding):
             self._spans.append(Event("calls", program.fun_name, t0, time.time_ns() - t0,
                                      {"slice": target}))
         return jax.tree.unflatten(out_tree, outs)
+
+    def platform(self, slice_name: str) -> str:
+        """The platform of a slice's chips: "tpu", or "cpu" on the emulated fleet."""
+        found = self._platforms.get(slice_name)
+        return found if found is not None else self.slice(slice_name).platform
+
+    def _check_platform(self, program: Program, target: str) -> None:
+        if program.platform is not None and program.platform != self.platform(target):
+            raise ValueError(
+                f"{program.fun_name} was exported for {program.platform}; slice {target} "
+                f"runs {self.platform(target)}: lower it again for that slice (client.jit "
+                f"exports for the platform of the slice its arguments are on)")
 
     def profile(self, log_dir: str | os.PathLike | None = None):
         """Record one trace of everything this client runs, across every chip (a context
@@ -283,6 +300,7 @@ class Client(Results, Resharding):
         if program.mesh.size != self._chips[target]:
             raise ValueError(f"{program.fun_name} was exported for {program.mesh.size} chips; "
                              f"slice {target} has {self._chips[target]} chips")
+        self._check_platform(program, target)
         if program.fingerprint not in self._registered:
             self._controller.register_program.remote(program.fingerprint, program.blob)
             self._registered.add(program.fingerprint)
@@ -355,10 +373,11 @@ class Client(Results, Resharding):
         added = []
         for d in self._call("describe"):
             if d["name"] not in known:
-                info = SliceInfo(d["name"], d["topology"], d["chips"])
+                info = SliceInfo(d["name"], d["topology"], d["chips"], d["platform"])
                 self._pg_ids[info.name] = d["placement_groups"]
                 self._queue.add(info.name, [info.name])
                 self._chips[info.name] = info.chips
+                self._platforms[info.name] = info.platform
                 self.slices.append(info)
                 added.append(info.name)
         return added

@@ -35,24 +35,27 @@ class JitFunction:
         return jax.tree.map(lambda s: s.spec, self.out_shardings,
                             is_leaf=lambda s: hasattr(s, "spec"))
 
-    def lower(self, *args) -> Lowered:
+    def lower(self, *args, platform: str | None = None) -> Lowered:
         """Export for these arguments without running: ``RemoteArray``s, or
         ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(client.mesh(...), spec))``
         for arrays that do not exist yet. ``.compile(slice=...)`` then compiles it there.
 
         The result runs only with arguments of exactly this signature and mesh
         size; anything else fails on the client, before dispatch, naming the
-        argument path and both values.
+        argument path and both values. It is exported for ``platform`` (default: that
+        of the arguments' slice, or the first slice's for abstract ones).
         """
-        (program, out_tree), _ = self._program(*_as_specs(args))
+        (program, out_tree), _ = self._program(*_as_specs(args), platform=platform)
         return Lowered(self._client, program, out_tree)
 
-    def _program(self, *args):
+    def _program(self, *args, platform: str | None = None):
         import jax
 
         leaves, treedef = jax.tree.flatten(args)
         if all(type(x) is RemoteArray for x in leaves):  # fast path: a signature seen before
-            key = (treedef, tuple(a.signature for a in leaves), leaves[0].mesh if leaves else None)
+            key = (treedef, tuple(a.signature for a in leaves),
+                   leaves[0].mesh if leaves else None,
+                   self._client._platforms.get(leaves[0].slice) if leaves else None)
             hit = self.programs.get(key)
             if hit is not None and len({a.slice for a in leaves}) == 1:
                 return hit, leaves
@@ -71,7 +74,10 @@ class JitFunction:
                 if spec != a.spec:
                     raise ValueError(f"Sharding mismatch for {p}: in_shardings says {spec} and "
                                      f"the argument is sharded {a.spec}; reshard it first")
-        key = (treedef, tuple(a.signature for a in arrays), mesh)
+        if platform is None:
+            where = arrays[0].slice if arrays and arrays[0].slice is not None else None
+            platform = self._client.platform(where) if where else self._client.slices[0].platform
+        key = (treedef, tuple(a.signature for a in arrays), mesh, platform)
         if key not in self.programs:
             flat_fn = lambda *flat_args: self.fn(*jax.tree.unflatten(treedef, flat_args))  # noqa: E731
             out_specs = self._out_specs()
@@ -80,7 +86,7 @@ class JitFunction:
             program, out_tree = export_program(
                 flat_fn, mesh, [a.spec for a in arrays], out_specs,
                 [(a.shape, a.dtype) for a in arrays], paths,
-                static_name=getattr(self.fn, "__name__", "program"))
+                static_name=getattr(self.fn, "__name__", "program"), platform=platform)
             self.programs[key] = (program, out_tree)
         return self.programs[key], arrays
 

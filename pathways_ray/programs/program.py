@@ -10,6 +10,7 @@ a slice: any slice with that many chips can run it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ class Program:
     in_sigs: tuple[ArgSignature, ...]
     out_sigs: tuple[ArgSignature, ...]
     blob: bytes
+    platform: str | None = None  # what it was exported for; None: made for its devices
 
     def check_args(self, sigs: list[ArgSignature], num_chips: int) -> None:
         """Raise ``ValueError`` naming the argument path and both values on any mismatch."""
@@ -79,11 +81,15 @@ class Program:
 
 
 def export_program(fn, mesh: MeshShape, in_specs: list, out_specs: Any, args: list,
-                   in_paths: list[str], static_name: str | None = None):
-    """Trace ``fn`` on abstract arguments and export it for ``mesh``.
+                   in_paths: list[str], static_name: str | None = None,
+                   platform: str = "cpu"):
+    """Trace ``fn`` on abstract arguments and export it for ``mesh`` of ``platform``'s
+    chips ("tpu", or "cpu" on the emulated fleet).
 
     ``args`` are flat ``(shape, dtype)`` pairs and ``in_specs`` their normalized
     specs; ``out_specs`` is a pytree prefix of ``PartitionSpec`` for the results.
+    For "cpu", Pallas kernels are traced in Pallas' interpret mode (plain HLO), so
+    code written for TPU runs, and is tested, on the emulated fleet.
     Returns ``(program, out_treedef)``.
     """
     import jax
@@ -99,8 +105,11 @@ def export_program(fn, mesh: MeshShape, in_specs: list, out_specs: Any, args: li
     out_shardings = None if out_specs is None else jax.tree.map(
         lambda p: NamedSharding(amesh, p), out_specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if platform not in ("cpu", "tpu"):
+        raise ValueError(f"platform={platform!r} must be 'cpu' or 'tpu'")
     jitted = jax.jit(fn, in_shardings=tuple(in_shardings), out_shardings=out_shardings)
-    exp = export.export(jitted, platforms=["cpu", "tpu"])(*avals)
+    with _pallas_interpreted(platform == "cpu"):
+        exp = export.export(jitted, platforms=[platform])(*avals)
     blob = bytes(exp.serialize())
     out_sigs = []
     for aval, sharding in zip(exp.out_avals, exp.out_shardings_jax(amesh), strict=True):
@@ -118,5 +127,22 @@ def export_program(fn, mesh: MeshShape, in_specs: list, out_specs: Any, args: li
         in_sigs=in_sigs,
         out_sigs=tuple(out_sigs),
         blob=blob,
+        platform=platform,
     )
     return program, exp.out_tree
+
+
+@contextlib.contextmanager
+def _pallas_interpreted(on: bool):
+    """Trace Pallas kernels in interpret mode (``pallas_call(interpret=True)``: plain
+    HLO, which CPUs run and exports keep)."""
+    if not on:
+        yield
+        return
+    from jax._src import config
+
+    prev = config.pallas_tpu_interpret_mode_context_manager.swap_local(True)
+    try:
+        yield
+    finally:
+        config.pallas_tpu_interpret_mode_context_manager.set_local(prev)
