@@ -273,15 +273,13 @@ class Client(Results, Resharding):
 
     def platform(self, slice_name: str) -> str:
         """The platform of a slice's chips: "tpu", or "cpu" on the emulated fleet."""
-        found = self._platforms.get(slice_name)
-        return found if found is not None else self.slice(slice_name).platform
+        return self._platforms.get(slice_name) or self.slice(slice_name).platform
 
     def _check_platform(self, program: Program, target: str) -> None:
         if program.platform is not None and program.platform != self.platform(target):
-            raise ValueError(
-                f"{program.fun_name} was exported for {program.platform}; slice {target} "
-                f"runs {self.platform(target)}: lower it again for that slice (client.jit "
-                f"exports for the platform of the slice its arguments are on)")
+            raise ValueError(f"{program.fun_name} was exported for {program.platform}; slice "
+                             f"{target} runs {self.platform(target)}: lower it for that slice "
+                             f"(client.jit exports for its arguments' slice)")
 
     def profile(self, log_dir: str | os.PathLike | None = None):
         """Record one trace of everything this client runs, across every chip (a context
