@@ -85,7 +85,8 @@ out["active"] = sorted(elastic.get_active_slice_indices())
 print("RESULT", json.dumps(out), flush=True)
 """
 
-# A mesh over both slices' chips: one program across slices is refused by name.
+# A mesh over both slices' chips (one program across slices) and a host callback:
+# each refused by name, and the session goes on.
 ACROSS = PREAMBLE + """
 both = Mesh(np.array(devices[:8]), ("data",))
 try:
@@ -93,6 +94,11 @@ try:
     print("RESULT", json.dumps({"error": None}))
 except Exception as e:
     print("RESULT", json.dumps({"error": str(e), "type": type(e).__name__}))
+try:  # a host callback (not served: jaxlib's proxy client refuses it itself)
+    jax.jit(lambda a: jax.debug.print("a={a}", a=a) or a)(1.0).block_until_ready()
+    print("CALLBACK", json.dumps({"error": None}))
+except Exception as e:
+    print("CALLBACK", json.dumps({"error": str(e), "type": type(e).__name__}))
 z = other(z)  # the session goes on
 print("OK", float(np.asarray(z).sum()), flush=True)
 """
