@@ -35,7 +35,9 @@ from pathways_ray.transport.server import ChannelServer
 
 __all__ = ["SimExecutor", "SimFleet", "SimHost"]
 
-PLATFORM = "sim"
+# Simulated chips run nothing, but the client exports programs for a slice's platform
+# (and checks it): they take what the emulated fleet's CPU chips take.
+PLATFORM = "cpu"
 
 
 class SimExecutor:
