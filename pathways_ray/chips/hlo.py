@@ -31,12 +31,11 @@ class CompiledHlo:
     returns its results as global arrays."""
 
     def __init__(self, program: HloProgram, executable, signature: HloSignature, start: int,
-                 chips: int, sharding: Callable[[MeshShape, Spec, int], object]):
+                 sharding: Callable[[MeshShape, Spec, int], object]):
         self.program = program
         self.executable = executable
         self.signature = signature
         self._start = start
-        self._chips = chips
         self._sharding = sharding
 
     def __call__(self, *args):
@@ -95,4 +94,4 @@ def compile_hlo(program: HloProgram, start: int, chips: int,
         layouts = tuple(replicated(chips, len(shape)) for shape, _ in program.out_shapes)
     signature = HloSignature(layouts, tuple(op.SerializeToString() for op in ins),
                              tuple(op.SerializeToString() for op in outs))
-    return CompiledHlo(program, executable, signature, start, chips, sharding)
+    return CompiledHlo(program, executable, signature, start, sharding)

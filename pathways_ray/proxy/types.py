@@ -119,10 +119,11 @@ def place(sharding: ProxySharding, ndim: int, devices: Sequence[ProxyDevice],
             f"array lives on one slice here; meshes across slices are not served yet")
     s = slices[0]
     op = sharding.op
-    if len(sharding.device_ids) == 1 or (op is not None and _kind(op) == MAXIMAL):
-        device = sharding.device_ids[0] if op is None or _kind(op) != MAXIMAL else \
-            sharding.device_ids[int(op.tile_assignment_devices[0])]
+    if op is not None and _kind(op) == MAXIMAL:  # all of it on one of the devices
+        device = sharding.device_ids[int(op.tile_assignment_devices[0])]
         return Placed(s, *replicated(chips[s], ndim), device=device)
+    if len(sharding.device_ids) == 1:
+        return Placed(s, *replicated(chips[s], ndim), device=sharding.device_ids[0])
     ranks = [devices[d].rank for d in sharding.device_ids]
     if op is None or _kind(op) == REPLICATED:
         if sorted(ranks) != list(range(chips[s])):
