@@ -1,7 +1,8 @@
 """An emulated fleet of 2 v6e 2x4 slices (2 hosts x 4 chips each) on a real Ray cluster.
 
 One fleet for the whole module. The tests run in file order; the host-removal
-test comes last because it takes a host away.
+test comes last but one because it takes a host away (the last one, doctor's, freezes
+another and names both).
 """
 
 from __future__ import annotations
@@ -86,6 +87,29 @@ def test_fleet_view(fleet):
     views = fleet.slices()
     assert [v.name for v in views] == ["v6e-2x4-0", "v6e-2x4-1"]
     assert all(v.intact and v.state == "free" and v.chips == 8 for v in views)
+
+
+def test_doctor_examines_every_host_on_itself(fleet):
+    """`pathways-ray doctor --cluster`, as a user runs it with the fleet's exports: each
+    host examined by a task on it (its own env, its own subprocess opening a chip),
+    checked against Ray's view of it; every chip worker's env is its rank's."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-m", "pathways_ray.cli.main", "doctor", "--cluster",
+                          "--json"], env={**env, **fleet.env}, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    hosts = json.loads(out.stdout)
+    assert [h["key"] for h in hosts] == [f"v6e-2x4-{s}/{w}" for s in (0, 1) for w in (0, 1)]
+    for h in hosts:
+        assert [c["level"] for c in h["checks"]] == ["ok"] * 5, h["checks"]
+        assert h["emulated"] and h["opened"]["platform"] == "cpu"
+        assert h["ray"]["node_id"] == fleet.node_ids[h["key"]]
+        worker = int(h["env"]["TPU_WORKER_ID"])
+        assert [r["rank"] for r in h["chip_workers"]] == [str(4 * worker + c) for c in range(4)]
 
 
 def test_reserve_both_slices_with_ranked_chip_workers(fleet, slices):
@@ -224,3 +248,32 @@ def test_removing_a_host_kills_exactly_its_workers(fleet, slices):
     np.testing.assert_array_equal(a.all_reduce([np.ones(1)] * 8)[0], [8.0])
     view = {v.name: v for v in fleet.slices()}
     assert view[victim].state == "degraded" and view[a.name].intact
+
+
+def test_doctor_names_a_frozen_host_and_a_lost_one_without_waiting_on_them(fleet, slices):
+    """After the removal above: the lost host is named dead, a frozen host is named late
+    once --timeout is up (the others are not held up by it), and chips of reserved
+    slices are not opened."""
+    import time
+
+    from pathways_ray.chips.doctor import diagnose, problems
+    from pathways_ray.chips.doctor_probe import survey
+
+    a, b = slices
+    fleet.freeze_host(a.name, 1)
+    try:
+        t0 = time.monotonic()
+        hosts = {h.key: h for h in survey(timeout_s=4)}
+        took = time.monotonic() - t0
+    finally:
+        fleet.freeze_host(a.name, 1, frozen=False)
+    assert took < 15, took
+    found = {key: problems(diagnose(h)) for key, h in hosts.items()}
+    assert [p.what for p in found[f"{b.name}/1"]] == [
+        f"Ray marks this host's node {fleet.node_ids[f'{b.name}/1'][:8]} dead"]
+    frozen = found[f"{a.name}/1"]
+    assert len(frozen) == 1 and "did not answer within 4 s (--timeout)" in frozen[0].what
+    for key in (f"{a.name}/0", f"{b.name}/0"):
+        assert found[key] == [], found[key]
+        assert hosts[key].open_note == ("not opened: chip workers of a reserved slice hold "
+                                        "the chips")

@@ -6,10 +6,11 @@
     pathways-ray demo [--chaos]
     pathways-ray chaos kill-host v6e-2x4-1
     pathways-ray cache status|clear
+    pathways-ray doctor [--cluster]
 
-One module per command group (``fleet``, ``jobs``, ``service``, ``cache``, ``proxy``), each
-with a ``register(sub)`` that adds its subcommands, as the optional parts'
-commands register through the ``pathways_ray.commands`` entry points.
+One module per command group (``fleet``, ``jobs``, ``service``, ``cache``, ``proxy``,
+``doctor``), each with a ``register(sub)`` that adds its subcommands, as the optional
+parts' commands register through the ``pathways_ray.commands`` entry points.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 
 from rich.markup import escape
 
-from pathways_ray.cli import cache, fleet, jobs, proxy, service
+from pathways_ray.cli import cache, doctor, fleet, jobs, proxy, service
 from pathways_ray.cli.common import err
 from pathways_ray.errors import PathwaysError
 
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for group in (fleet, cache, jobs, service, proxy):
+    for group in (fleet, cache, jobs, service, proxy, doctor):
         COMMANDS.update(group.register(sub))
     _add_plugins(sub)
     return parser
