@@ -6,8 +6,12 @@
 
 Data x model parallel within each slice (batch over ``data``, attention heads
 and MLP over ``model``), data parallel across slices, synthetic text (nothing
-downloads). Prints loss and throughput and saves the parameters as a
-checkpoint.
+downloads). Trained as transformers are: AdamW with a linear warm-up and a cosine
+decay (``--lr`` is the peak), the gradients' global norm clipped to 1; with
+``--microbatches K`` each step accumulates K micro-batches per slice (a global
+batch larger than one step holds), with ``--bf16`` it computes in bfloat16 and
+keeps float32 master weights. Prints loss and throughput and saves the parameters
+as a checkpoint.
 
 ``multi_controller`` (Ray Train as usual): every worker runs ``train_loop``,
 one JAX process per chip, all slices in one ``jax.distributed`` world.
@@ -26,7 +30,8 @@ import time
 import numpy as np
 import ray.train
 
-from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs, sgd_update
+from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
+from pathways_ray.elastic.optim import adamw_warmup_cosine, opt_shardings, step_fns
 from pathways_ray.trainers import (
     Checkpoint,
     JaxTrainer,
@@ -62,6 +67,17 @@ def _report(config: dict, done: int, losses: list[float], t_first: float,
         ray.train.report(metrics, checkpoint=checkpoint)
 
 
+def _optimizer(config: dict):
+    """AdamW, warm-up over the first tenth of the run then cosine decay, clipping at 1."""
+    return adamw_warmup_cosine(config["lr"], config["steps"], clip_norm=1.0)
+
+
+def _compute_dtype(config: dict):
+    import jax.numpy as jnp
+
+    return jnp.bfloat16 if config.get("bf16") else None
+
+
 def _flat(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
     out = {}
     for k, v in params.items():
@@ -79,8 +95,8 @@ def train_loop(config: dict) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    cfg = LMConfig(lr=config["lr"])
-    model = config["model_parallel"]
+    cfg = LMConfig()
+    model, k = config["model_parallel"], config.get("microbatches", 1)
     # Processes are ranked slice by slice, so slices are contiguous along "data".
     mesh = Mesh(np.array(jax.devices()).reshape(-1, model), ("data", "model"))
     shard = jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(cfg),
@@ -90,23 +106,36 @@ def train_loop(config: dict) -> None:
     def put(host, sharding):  # every process holds the whole host array; each places its part
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-    params = jax.tree.map(put, init_params(cfg, config["seed"]), shard)
+    host = init_params(cfg, config["seed"])
+    opt = _optimizer(config)
+    opt_state = opt.init(host)
+    state_sharding = {"params": shard, "opt": opt_shardings(opt_state, host, shard, replicated)}
+    state = jax.tree.map(put, {"params": host, "opt": jax.tree.map(np.asarray, opt_state)},
+                         state_sharding)
+    # The single controller's arithmetic (pathways_ray.elastic.optim), on one global batch
+    # of k micro-batches: the same optimizer, accumulation and compute dtype.
+    fns = step_fns(lambda p, b: loss_fn(p, b, cfg), host, opt, microbatches=k, total=k,
+                   compute_dtype=_compute_dtype(config))
 
-    def step(p, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch, cfg)
-        return sgd_update(p, grads, cfg.lr), loss
+    def step(state, group):
+        return fns.apply(state, fns.grads(state["params"], group))
 
-    step = jax.jit(step, out_shardings=(shard, replicated))
+    step = jax.jit(step, out_shardings=(state_sharding, replicated))
+    if k > 1:
+        batch_sharding = NamedSharding(mesh, P(None, "data"))
     text = MarkovText(cfg.vocab, seed=config["seed"])
     losses: list[float] = []
     t_first = 0.0
     for i in range(config["steps"]):
-        params, loss = step(params, put(_batch(text, config, i), batch_sharding))
+        batch = _batch(text, config, i)
+        if k > 1:
+            batch = batch.reshape(k, -1, *batch.shape[1:])
+        state, loss = step(state, put(batch, batch_sharding))
         losses.append(float(loss))
         t_first = t_first or time.perf_counter()
         done = i + 1
         if done == config["steps"]:
-            host = multihost_utils.process_allgather(params, tiled=True)
+            host = multihost_utils.process_allgather(state["params"], tiled=True)
             _report(config, done, losses, t_first,
                     params=host if ray.train.get_context().get_world_rank() == 0 else None)
         elif done % config["report_every"] == 0:
@@ -118,12 +147,15 @@ def train_loop_single_controller(config: dict) -> None:
     from pathways_ray.elastic.data_parallel import DataParallelTrainer
 
     client = get_client()
-    cfg = LMConfig(lr=config["lr"])
+    cfg = LMConfig()
     chips = client.slices[0].chips
     model = config["model_parallel"]
     trainer = DataParallelTrainer(client, lambda p, b: loss_fn(p, b, cfg),
                                   init_params(cfg, config["seed"]), param_specs(cfg),
-                                  mesh_shape=(chips // model, model), lr=cfg.lr)
+                                  mesh_shape=(chips // model, model),
+                                  optimizer=_optimizer(config),
+                                  microbatches=config.get("microbatches", 1),
+                                  compute_dtype=_compute_dtype(config))
     text = MarkovText(cfg.vocab, seed=config["seed"])
     losses: list[float] = []
     t_first = 0.0
@@ -147,11 +179,16 @@ def main(argv: list[str] | None = None) -> ray.train.Result:
                     default="multi_controller")
     ap.add_argument("--model-parallel", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32, help="global batch (rows)")
-    ap.add_argument("--lr", type=float, default=0.2)
+    ap.add_argument("--lr", type=float, default=1e-2, help="AdamW's peak learning rate")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="micro-batches per slice and step, accumulated")
+    ap.add_argument("--bf16", action="store_true",
+                    help="compute in bfloat16, keep float32 master weights")
     args = ap.parse_args(argv)
     topo = slice_topology(args)
     config = {"seed": 0, "steps": args.steps, "batch": args.batch, "lr": args.lr,
-              "model_parallel": args.model_parallel, "report_every": args.report_every}
+              "model_parallel": args.model_parallel, "report_every": args.report_every,
+              "microbatches": args.microbatches, "bf16": args.bf16}
     loop = train_loop if args.mode == "multi_controller" else train_loop_single_controller
     args.name = f"{args.name}-{args.mode}"
     result = fit_on_slices(JaxTrainer, loop, config, args, mode=args.mode)

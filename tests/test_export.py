@@ -50,3 +50,25 @@ def test_for_tpu_the_kernel_stays_a_mosaic_kernel():
 def test_an_unknown_platform_is_refused_by_name():
     with pytest.raises(ValueError, match="platform='gpu' must be 'cpu' or 'tpu'"):
         _export("gpu")
+
+
+def test_results_in_named_tuples_export_flat_and_keep_their_structure():
+    """jax.export cannot serialize a result tree holding a named tuple it does not know
+    (an optax state); the program is exported flat and the structure kept for the
+    client, with each leaf's sharding from the prefix given."""
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from pathways_ray.programs.program import export_program
+    from pathways_ray.programs.sharding import MeshShape
+
+    mesh = MeshShape(("d",), (2,))
+
+    def step(x):
+        return {"w": x * 2, "opt": optax.ScaleByAdamState(jax.numpy.int32(1), x, x + 1)}
+
+    program, out_tree = export_program(step, mesh, [(("d",),)], {"w": P("d"), "opt": P()},
+                                       [((4,), "float32")], ["x"])
+    assert [s.spec for s in program.out_sigs] == [(), ((),), ((),), (("d",),)]
+    assert jax.tree.structure(step(jax.numpy.ones(4))) == out_tree

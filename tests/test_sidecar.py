@@ -216,6 +216,25 @@ def test_sidecar_fed_training_matches_client_fed_and_input_stays_on_hosts(client
     REFERENCE.update(losses=host_losses, corpus=corpus, rows=rows)
 
 
+def test_sidecar_fed_micro_batches_match_client_fed(client, small):
+    """With 2 micro-batches per slice each host reads its block of both (micro-batches
+    2g and 2g+1 of slice g, stacked) and the accumulated step gives the client-fed
+    losses of the same 4 micro-batches."""
+    if not REFERENCE:
+        pytest.skip("needs the sidecar-fed run above")
+    cfg, rows, steps = LMConfig(), 4, 4
+    read = TextBatches.on_client(REFERENCE["corpus"], cfg.seq, rows)
+    fed = _trainer(client, cfg, small, microbatches=2)
+    want = [fed.step(np.concatenate([read(i, m) for m in range(4)])).mean_loss()
+            for i in range(steps)]
+    hosts = _trainer(client, cfg, small, microbatches=2,
+                     feed=_feed(REFERENCE["corpus"], cfg, rows))
+    before = client.counters["put_bytes"]
+    got = [hosts.step().mean_loss() for _ in range(steps)]
+    assert client.counters["put_bytes"] == before
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_a_killed_sidecar_loses_its_slice_and_training_goes_on(client, small):
     """SIGKILL one slice's sidecar mid-run: that slice is lost, as with a lost host, and
     the trainer carries on with the survivor reading both micro-batches: the losses are

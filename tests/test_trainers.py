@@ -238,7 +238,7 @@ def test_elastic_starts_on_free_slices_and_grows_back(fleet, tmp_path):
     assert worlds == sorted(worlds)
 
 
-JAX_CFG = {"seed": 0, "steps": 8, "batch": 32, "lr": 0.2, "model_parallel": 2,
+JAX_CFG = {"seed": 0, "steps": 8, "batch": 32, "lr": 1e-2, "model_parallel": 2,
            "report_every": 4}
 
 

@@ -21,6 +21,10 @@ def register(sub) -> dict:
     demo.add_argument("--steps", type=positive_int, default=80, help="training steps (80)")
     demo.add_argument("--batch", type=positive_int, default=64,
                       help="global batch, split over slices and their data axis (64)")
+    demo.add_argument("--microbatches", type=positive_int, default=1,
+                      help="micro-batches per slice and step, accumulated (1)")
+    demo.add_argument("--bf16", action="store_true",
+                      help="compute in bfloat16, keep float32 master weights")
     demo.add_argument("--out", default="pathways-ray-demo", help="where loss.png goes")
     demo.add_argument("--chaos", action="store_true",
                       help="kill a host of the last slice a third of the way in and bring it "
@@ -72,7 +76,8 @@ def cmd_demo(args) -> int:
     topo = topology_of(args)
     run_demo(num_slices=args.slices, accelerator=topo.generation.name, topology=topo.name,
              chips_per_host=topo.chips_per_host, steps=args.steps, batch=args.batch,
-             out_dir=args.out, console=console, chaos=args.chaos)
+             out_dir=args.out, console=console, chaos=args.chaos,
+             microbatches=args.microbatches, bf16=args.bf16)
     return 0
 
 

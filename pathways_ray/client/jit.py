@@ -61,7 +61,8 @@ class JitFunction:
                 return hit, leaves
         arrays, paths, treedef = remote_args(args, getattr(self.fn, "__name__", "program"))
         for a in arrays:  # another client's handle is named before its slice is looked up
-            self._client._own(a)
+            if isinstance(a, RemoteArray):
+                self._client._own(a)
         meshes = {a.mesh for a in arrays}
         if len(meshes) != 1:
             raise ValueError(f"{self.fn.__name__}'s arguments use different meshes {meshes}")

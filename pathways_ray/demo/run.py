@@ -51,10 +51,13 @@ def run_demo(
     out_dir: str | Path = "pathways-ray-demo",
     console: Console | None = None,
     chaos: bool = False,
+    microbatches: int = 1,
+    bf16: bool = False,
 ) -> DemoResult:
     from pathways_ray.client.connect import connect
     from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
     from pathways_ray.elastic.data_parallel import DataParallelTrainer
+    from pathways_ray.elastic.optim import adamw_warmup_cosine
 
     console = console or make_console()
     topo = Topology.parse(accelerator, topology, chips_per_host=chips_per_host)
@@ -66,14 +69,17 @@ def run_demo(
     model_par = 2 if topo.chips % 2 == 0 else 1
     mesh_shape = (topo.chips // model_par, model_par)
     per_slice = batch // num_slices
-    if batch % num_slices or per_slice % mesh_shape[0]:
+    if batch % num_slices or per_slice % (microbatches * mesh_shape[0]):
         raise ValueError(f"batch={batch} must split evenly over {num_slices} slices x "
-                         f"{mesh_shape[0]} data-parallel chips")
-    cfg = LMConfig(lr=0.2)
+                         f"{microbatches} micro-batches x {mesh_shape[0]} data-parallel chips")
+    cfg = LMConfig()
     text = MarkovText(cfg.vocab)
     console.print(f"[bold]pathways-ray[/bold]: {num_slices} x {topo.describe()}; training a "
                   f"{cfg.layers}-layer transformer LM, mesh data={mesh_shape[0]} x "
-                  f"model={mesh_shape[1]} per slice, data parallel across slices")
+                  f"model={mesh_shape[1]} per slice, data parallel across slices; AdamW, "
+                  f"warm-up + cosine, clipping"
+                  + (f", {microbatches} micro-batches per slice" if microbatches > 1 else "")
+                  + (", bf16 compute" if bf16 else ""))
     t0 = time.monotonic()
     # The chip workers' own output (gloo's connection lines, XLA's warnings) stays in
     # the fleet's log files: errors reach this process as exceptions.
@@ -90,10 +96,15 @@ def run_demo(
             console.print("controller holds " + ", ".join(
                 f"{s.name} ({s.chips} chips)" for s in client.slices))
             events: list = []
+            import jax.numpy as jnp
+
             trainer = DataParallelTrainer(client, lambda p, b: loss_fn(p, b, cfg),
                                           init_params(cfg), param_specs(cfg),
-                                          mesh_shape=mesh_shape, lr=cfg.lr, grow=chaos,
-                                          on_elastic_event=events.append)
+                                          mesh_shape=mesh_shape,
+                                          optimizer=adamw_warmup_cosine(1e-2, steps),
+                                          microbatches=microbatches,
+                                          compute_dtype=jnp.bfloat16 if bf16 else None,
+                                          grow=chaos, on_elastic_event=events.append)
             injector = _Chaos(fleet, client.slices[-1].name, steps, console) if chaos else None
             losses, train_s, tps = _train(trainer, text, cfg, steps, batch, console, injector)
             console.print(render_status(*collect_status()))

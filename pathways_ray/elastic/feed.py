@@ -3,7 +3,8 @@
 ``HostFeed`` tells ``DataParallelTrainer`` how to make its input where it is used:
 ``cls(host, *args, **kwargs)`` is built once on every host of each slice, and
 ``obj.batch(host, step, micro)`` returns that host's block (``host.box``) of
-micro-batch ``micro`` of step ``step``. Input that is a pure function of
+micro-batch ``micro`` of step ``step`` (``micro`` counts every micro-batch of the
+step: starting slices x the trainer's ``microbatches``). Input that is a pure function of
 ``(step, micro)`` (an index into the data, as Grain and tf.data's deterministic
 modes do) is what makes elastic training exact: a survivor reads a lost
 slice's share, and a rerun after a restore reads the same rows again.
@@ -26,8 +27,8 @@ __all__ = ["HostFeed", "Prefetcher"]
 @dataclass(frozen=True)
 class HostFeed:
     """Input made on the hosts (see the module doc). ``shape`` and ``dtype`` are one
-    micro-batch's (the global batch over the number of starting slices); ``prefetch``
-    is how many steps ahead each host reads."""
+    micro-batch's (the global batch over the starting slices and ``microbatches``);
+    ``prefetch`` is how many steps ahead each host reads."""
 
     cls: type
     shape: tuple[int, ...]
@@ -76,6 +77,17 @@ class Prefetcher:
                 self._ready.pop(key).cancel()
             self._ready.pop((step, micro))
         return fut.result()
+
+    def group(self, host, step: int, group: int, k: int):
+        """Micro-batches ``group * k`` .. ``group * k + k - 1`` of ``step``, stacked on a
+        new leading axis (a trainer with ``microbatches=k``); each is read as ``get``
+        reads one, with this host's block of one micro-batch as its box."""
+        import dataclasses
+
+        import numpy as np
+
+        one = dataclasses.replace(host, boxes=(host.box[1:],))
+        return np.stack([self.get(one, step, group * k + j) for j in range(k)])
 
     def stats(self, host) -> dict:
         return {"hits": self.hits, "misses": self.misses}

@@ -42,13 +42,13 @@ class Recovery:
         if self._snapshot is None and snapshot_due(self.steps_done, self.snapshot_every):
             src = self.live[self.steps_done // self.snapshot_every % len(self.live)]
             try:
-                self._snapshot = snapshot.take(self.params[src], self.steps_done)
+                self._snapshot = snapshot.take(self.state[src], self.steps_done)
             except SliceLost as e:  # the next step finds it lost and drops it
                 logger.info("elastic: no snapshot at step %d: %s", self.steps_done, e)
 
     def _refill(self, lost: str) -> None:
         """Below min_slices: wait up to ``wait_for_slices_s`` for replacements and give
-        each the parameters, from a survivor or else from the latest snapshot (then the
+        each the state, from a survivor or else from the latest snapshot (then the
         steps since it run again)."""
         from pathways_ray.elastic import snapshot
 
@@ -71,14 +71,14 @@ class Recovery:
             if candidates:
                 name = candidates.pop(0)
                 if self.live:
-                    why = self._copy_params(to=name)
+                    why = self._copy_state(to=name)
                 else:
                     try:
-                        rewound_to, self.params[name] = snapshot.restore(
-                            self.client, self.param_shardings, slice=name)
+                        rewound_to, self.state[name] = snapshot.restore(
+                            self.client, self.state_shardings, slice=name)
                     except SliceLost:
                         continue
-                    why = f"parameters of step {rewound_to} from the host-memory snapshot"
+                    why = f"the state of step {rewound_to} from the host-memory snapshot"
                 self.live.append(name)
                 self._event("slice_added", name, why)
                 continue
@@ -96,18 +96,19 @@ class Recovery:
         if rewound_to is not None:
             self._rerun_from(rewound_to, lost)
 
-    def _copy_params(self, to: str) -> str:
-        """Give slice ``to`` a copy of the first live slice's parameters (worker to
-        worker); returns what happened, for the event."""
+    def _copy_state(self, to: str) -> str:
+        """Give slice ``to`` a copy of the first live slice's state: parameters and
+        optimizer state, worker to worker; returns what happened, for the event."""
         import jax
 
         src = self.live[0]
-        self.params[to] = jax.tree.map(lambda v, sh: self.client.reshard(v, sh, slice=to),
-                                       self.params[src], self.param_shardings)
-        return f"parameters copied from {src}"
+        self.state[to] = jax.tree.map(lambda v, sh: self.client.reshard(v, sh, slice=to),
+                                      self.state[src], self.state_shardings)
+        what = "parameters and optimizer state" if "opt" in self.state[to] else "parameters"
+        return f"{what} copied from {src}"
 
     def _rerun_from(self, step: int, lost: str) -> None:
-        """Every live slice holds the snapshot's parameters of ``step`` (the first took
+        """Every live slice holds the snapshot's state of ``step`` (the first took
         them from the snapshot, the others from it): bring them back to ``steps_done``
         by running the kept batches again."""
         target, self.steps_done = self.steps_done, step
@@ -139,14 +140,14 @@ class Recovery:
                 self._joining.pop(name)
                 continue
             del self._joining[name]
-            why = self._copy_params(to=name)
+            why = self._copy_state(to=name)
             self.live.append(name)
             self._event("slice_added", name, why)
 
     def _warm_up(self, name: str) -> None:
         """Ship and compile this trainer's programs on a new slice, off the step path
         (nothing runs, no bytes are put; the persistent cache makes it a load). The
-        parameters follow from a survivor once it is done."""
+        state follows from a survivor once it is done."""
         ready = self._compile_on(name)
         if self.feed is not None:
             self._open_feed(name)
@@ -161,13 +162,13 @@ class Recovery:
         def like(v, sharding):
             return jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=sharding)
 
-        params = jax.tree.map(like, self._host_params, self.param_shardings)
+        state = jax.tree.map(like, self._host_state, self.state_shardings)
         batch = jax.ShapeDtypeStruct(self._batch_shape, self._batch_dtype,
                                      sharding=self.batch_sharding)
-        grads = self._grads.lower(params, batch)
+        grads = self._grads.lower(state["params"], batch)
         out = grads.program.out_sigs[0]
         vec = jax.ShapeDtypeStruct(out.shape, np.dtype(out.dtype), sharding=self.replicated)
         grads.compile(slice=name)
         self._add.lower(vec, vec).compile(slice=name)
-        return self._apply.lower(params, vec).compile(slice=name)
+        return self._apply.lower(state, vec).compile(slice=name)
 
