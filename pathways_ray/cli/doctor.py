@@ -9,7 +9,7 @@ import os
 from rich.markup import escape
 from rich.table import Table
 
-from pathways_ray.cli.common import console, err, positive_int
+from pathways_ray.cli.common import cluster_flags, console, err, positive_int
 
 _MARK = {"ok": "[green]ok[/green]", "info": "[dim]-[/dim]", "problem": "[red]PROBLEM[/red]"}
 
@@ -24,9 +24,7 @@ def register(sub) -> dict:
         "subprocess). Every problem comes with its fix; the exit code is 1 if there is one.")
     p.add_argument("--cluster", action="store_true",
                    help="check every TPU host of the Ray cluster, each on itself")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster address (default: $RAY_ADDRESS, else the local fleet)")
-    p.add_argument("--name", default=None, help="local fleet name, when several are running")
+    cluster_flags(p)
     p.add_argument("--no-open", action="store_true", help="do not open a chip")
     p.add_argument("--open-timeout", type=positive_int, default=90, metavar="SECONDS",
                    help="how long opening a chip may take (default 90)")
@@ -44,13 +42,15 @@ def _connect(args) -> str | None:
         return "Ray is not installed here: pip install 'pathways-ray' (Ray's view not checked)"
     if ray.is_initialized():
         return None
+    import argparse
+
     from pathways_ray.cli.common import connect_for_status
     from pathways_ray.emulation.local_fleet import running_fleets
 
     if not (args.address or os.environ.get("RAY_ADDRESS") or running_fleets()):
         return ("not connected to a Ray cluster (no --address, $RAY_ADDRESS or local fleet): "
                 "Ray's view of this host not checked")
-    connect_for_status(args)
+    connect_for_status(argparse.Namespace(address=args.address, name=args.fleet))
     return None
 
 
