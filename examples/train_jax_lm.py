@@ -117,10 +117,7 @@ def train_loop(config: dict) -> None:
     fns = step_fns(lambda p, b: loss_fn(p, b, cfg), host, opt, microbatches=k, total=k,
                    compute_dtype=_compute_dtype(config))
 
-    def step(state, group):
-        return fns.apply(state, fns.grads(state["params"], group))
-
-    step = jax.jit(step, out_shardings=(state_sharding, replicated))
+    step = jax.jit(fns.step, out_shardings=(state_sharding, replicated))
     if k > 1:
         batch_sharding = NamedSharding(mesh, P(None, "data"))
     text = MarkovText(cfg.vocab, seed=config["seed"])

@@ -118,3 +118,19 @@ def test_bad_optimizer_settings_are_named():
     bad = (optax.ScaleByAdamState(np.int32(3), (), ()), optax.ScaleByScheduleState(np.int32(4)))
     with pytest.raises(RuntimeError, match=r"disagree: \[3, 4\]"):
         step_count(bad)
+
+
+def test_one_spmd_step_is_the_same_arithmetic_without_raveling():
+    """``step`` (a multi-controller loop's one program) gives the three programs'
+    losses and state when the whole global batch is one group."""
+    opt = adamw_warmup_cosine(1e-2, STEPS, warmup_steps=2)
+    params = init_params(CFG)
+    fns = step_fns(lambda p, b: loss_fn(p, b, CFG), params, opt, microbatches=K, total=K)
+    step = jax.jit(fns.step)
+    state = {"params": params, "opt": opt.init(params)}
+    losses = []
+    for batch in _batches(4):
+        state, loss = step(state, batch.reshape(K, -1, *batch.shape[1:]))
+        losses.append(float(loss))
+    want, _, _ = _single_process(opt, _batches(4))
+    np.testing.assert_allclose(losses, want, rtol=1e-5)

@@ -305,7 +305,8 @@ def test_torch_ddp_example_under_ray_job_submit_matches_one_process(fleet, tmp_p
 
 
 @pytest.mark.parametrize("script, args", [
-    ("train_jax_lm.py", ["--mode", "single_controller", "--steps", "10"]),
+    ("train_jax_lm.py", ["--mode", "single_controller", "--steps", "10", "--microbatches", "2",
+                         "--bf16"]),
     ("sidecar_data_loading.py", ["--steps", "10"]),
 ])
 def test_examples_run_under_ray_job_submit(fleet, tmp_path, script, args):

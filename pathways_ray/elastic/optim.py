@@ -107,11 +107,15 @@ def step_count(opt_state, read: Callable | None = None) -> int | None:
 class StepFns:
     """``grads(params, group) -> vector`` (the group's summed gradients, raveled, with
     its summed loss last), ``add(a, b)`` and ``apply(state, total) -> (state, mean
-    loss)`` (``total``: every group's vector summed in group order)."""
+    loss)`` (``total``: every group's vector summed in group order): the single
+    controller's three programs. ``step(state, group) -> (state, mean loss)`` is the
+    same arithmetic for one SPMD program that holds the whole global batch as one
+    group (a multi-controller loop): no raveling, so sharded gradients stay sharded."""
 
     grads: Callable
     add: Callable
     apply: Callable
+    step: Callable
 
 
 def step_fns(loss_fn: Callable, params, optimizer, *, microbatches: int, total: int,
@@ -141,32 +145,42 @@ def step_fns(loss_fn: Callable, params, optimizer, *, microbatches: int, total: 
 
     def one(p, batch):
         loss, g = jax.value_and_grad(lambda q: loss_fn(cast(q), batch).astype(jnp.float32))(p)
-        return jnp.concatenate([ravel_pytree(g)[0].astype(jnp.float32), loss[None]])
+        return loss, jax.tree.map(lambda x: x.astype(jnp.float32), g)
 
-    def grads(p, group):
+    def summed(p, group):
+        """The group's (loss, gradients), each summed over its micro-batches."""
         if microbatches == 1:
             return one(p, group)
 
         def body(acc, batch):
-            return acc + one(p, batch), None
+            return jax.tree.map(jnp.add, acc, one(p, batch)), None
 
-        first = one(p, group[0])
-        acc, _ = jax.lax.scan(body, first, group[1:])
+        acc, _ = jax.lax.scan(body, one(p, group[0]), group[1:])
         return acc
+
+    def update(state, g, loss):
+        p = state["params"]
+        g = jax.tree.map(lambda x, ref: x.astype(ref.dtype), g, p)
+        updates, opt = optimizer.update(g, state["opt"] if has_opt else empty, p)
+        new = jax.tree.map(lambda x, u: (x + u).astype(x.dtype), p, updates)
+        return ({"params": new, "opt": opt} if has_opt else {"params": new}), loss
+
+    def grads(p, group):
+        loss, g = summed(p, group)
+        return jnp.concatenate([ravel_pytree(g)[0], loss[None]])
 
     def add(a, b):
         return a + b
 
     def apply(state, vec):
-        p = state["params"]
-        g = unravel((vec[:-1] / total).astype(jnp.float32))
-        g = jax.tree.map(lambda x, ref: x.astype(ref.dtype), g, p)
-        updates, opt = optimizer.update(g, state["opt"] if has_opt else empty, p)
-        new = jax.tree.map(lambda x, u: (x + u).astype(x.dtype), p, updates)
-        return ({"params": new, "opt": opt} if has_opt else {"params": new}), vec[-1] / total
+        return update(state, unravel(vec[:-1] / total), vec[-1] / total)
+
+    def step(state, group):
+        loss, g = summed(state["params"], group)
+        return update(state, jax.tree.map(lambda x: x / total, g), loss / total)
 
     grads.__name__, add.__name__, apply.__name__ = "dp_grads", "dp_add", "dp_apply"
-    return StepFns(grads, add, apply)
+    return StepFns(grads, add, apply, step)
 
 
 def single_process(loss_fn: Callable, params, optimizer, batches) -> tuple[list[float], Any,
