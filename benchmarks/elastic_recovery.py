@@ -189,8 +189,7 @@ def _kill_during_training(fleet, victim: str, freeze: bool):
 def recovery_runs(fleet, cfg, batches, optimizer, runs: int) -> list[tuple[float, float]]:
     """``runs`` short runs, each killing slice 1's host after step 4 of a fresh client
     while training goes on: from the moment the kill starts to the slice_lost event
-    (the killed processes gone: their streams closed) and to the first step done on
-    the 2 survivors."""
+    (the trainer sees SliceLost) and to the first step done on the 2 survivors."""
     out = []
     for _ in range(runs):
         wait_all_free(3)
@@ -440,7 +439,7 @@ def main() -> None:
             print(f"AdamW, {len(times)} runs, a host killed after step 4 of a fresh client: "
                   f"failure (kill starts) -> next step median {statistics.median(times):.2f} s "
                   f"(min {min(times):.2f}, max {max(times):.2f}; target <= 2 s); of which "
-                  f"kill starts -> slice lost (the killed processes gone) median "
+                  f"kill starts -> the trainer sees SliceLost median "
                   f"{statistics.median(lost):.2f} s, slice lost -> next step "
                   f"{statistics.median(t - x for x, t in runs):.2f} s")
         if args.overhead_steps:
