@@ -122,6 +122,14 @@ def test_a_container_given_one_chip_of_a_4_chip_host_is_told_both_problems():
     assert "google.com/tpu" in found[1].fix
 
 
+def test_a_worker_id_outside_the_slice_has_no_chip_worker_envs_to_show():
+    """The command prints the env table after the findings: a bad TPU_WORKER_ID is named
+    there, and the table is left out rather than failing."""
+    bad = tpu_host(env={**ENV, "TPU_WORKER_ID": "2"})
+    assert chip_worker_envs(bad) == []
+    assert "TPU_WORKER_ID=2 is not a TPU worker" in problems(diagnose(bad))[0].what
+
+
 def test_rays_view_of_the_host_is_checked_against_its_env():
     host = tpu_host()
     host.ray["labels"]["ray.io/tpu-worker-id"] = "0"
@@ -162,9 +170,9 @@ def test_a_chip_that_does_not_open_says_why():
 
 
 def test_a_host_that_did_not_answer_is_one_problem():
-    late = HostFacts(host="v6e-2x4-1/1", versions={}, answered=False,
-                     open_note="host v6e-2x4-1/1 did not answer within 5 s (--timeout)")
-    assert diagnose(late) == [Check("host", "problem", late.open_note,
+    late = HostFacts(host="v6e-2x4-1/1", versions={},
+                     unreachable="host v6e-2x4-1/1 did not answer within 5 s (--timeout)")
+    assert diagnose(late) == [Check("host", "problem", late.unreachable,
                                     diagnose(late)[0].fix)]
     assert "pathways-ray status" in diagnose(late)[0].fix
 

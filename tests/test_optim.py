@@ -111,6 +111,9 @@ def test_bad_optimizer_settings_are_named():
         optimizer_of(None, -1)
     with pytest.raises(TypeError, match="not an optax.GradientTransformation"):
         optimizer_of(object(), None)
+    with pytest.raises(ValueError, match="compute_dtype='bf16' is not a floating dtype"):
+        step_fns(loss_fn, {"w": np.zeros(2, np.float32)}, SGD(0.1), microbatches=1, total=1,
+                 compute_dtype="bf16")
     with pytest.raises(ValueError, match="warmup_steps=10 must be in 0..9"):
         adamw_warmup_cosine(1e-3, 10, warmup_steps=10)
     schedule_at = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 2, 10, end_value=1e-4)

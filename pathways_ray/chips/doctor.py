@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathways_ray.chips.worker_env import cpu_env, tpu_multiprocess_env
 from pathways_ray.clusters.topology import Topology
 
-__all__ = ["OPEN_OK_VALUE", "Check", "HostFacts", "chip_worker_envs", "diagnose", "problems"]
+__all__ = ["OPEN_OK_VALUE", "Check", "HostFacts", "chip_worker_envs", "diagnose",
+           "expected_labels", "problems"]
 
 # The open probe's 128x128 ones-matrix product, summed: exact in bf16 and f32.
 OPEN_OK_VALUE = 128.0 ** 3
@@ -47,7 +48,7 @@ class HostFacts:
     ray_note: str = ""  # why ``ray`` is None
     opened: dict | None = None  # the open probe: ok, platform, device_kind, seconds, error
     open_note: str = ""  # why ``opened`` is None
-    answered: bool = True  # False: the host's probe did not come back (see open_note)
+    unreachable: str = ""  # why nothing could be gathered on the host (its probe failed)
 
     @property
     def platform(self) -> str:
@@ -100,9 +101,10 @@ def chip_worker_envs(facts: HostFacts) -> list[dict[str, str]]:
     """The env each chip worker of this host would get when its slice's JAX world starts
     (ports are picked then: shown as ``PORT``); empty where the slice is unknown."""
     topo, _ = _topology(facts)
-    if topo is None or not facts.env.get("TPU_WORKER_ID", "").isdigit():
-        return []
-    worker = int(facts.env["TPU_WORKER_ID"])
+    worker = facts.env.get("TPU_WORKER_ID", "")
+    if topo is None or not worker.isdigit() or int(worker) >= topo.num_hosts:
+        return []  # diagnose names what is wrong
+    worker = int(worker)
     hosts = facts.env.get("TPU_WORKER_HOSTNAMES", "").split(",")
     if len(hosts) != topo.num_hosts:
         hosts = [f"host{i}" for i in range(topo.num_hosts)]
@@ -123,8 +125,8 @@ def chip_worker_envs(facts: HostFacts) -> list[dict[str, str]]:
 
 def diagnose(facts: HostFacts) -> list[Check]:
     """Every finding about one host, in the order a person would check them."""
-    if not facts.answered:
-        return [Check("host", "problem", facts.open_note,
+    if facts.unreachable:
+        return [Check("host", "problem", facts.unreachable,
                       "see `pathways-ray status`: a frozen or overloaded host answers late; "
                       "a lost one is replaced by KubeRay (or `pathways-ray chaos "
                       "restore-host` on the emulated fleet)")]
@@ -273,12 +275,12 @@ def _ray(facts: HostFacts) -> list[Check]:
                              f"{want!r}", "Ray reads the TPU_* env when it starts: restart Ray "
                                           "on this host with the env set (`ray stop`, then "
                                           "`ray start ...`)"))
-    pod = facts.env.get("TPU_ACCELERATOR_TYPE")
-    if facts.env.get("TPU_WORKER_ID") == "0" and pod:
-        head = f"TPU-{pod}-head"
-        if head not in node.get("resources", {}):
-            out.append(Check("ray", "problem", f"TPU worker 0 has no {head} resource: slice "
-                                               f"placement groups cannot find this slice",
+    topo, _ = _topology(facts)
+    if facts.env.get("TPU_WORKER_ID") == "0" and topo is not None:
+        if topo.head_resource not in node.get("resources", {}):
+            out.append(Check("ray", "problem", f"TPU worker 0 has no {topo.head_resource} "
+                                               f"resource: slice placement groups cannot "
+                                               f"find this slice",
                              "restart Ray on this host with the TPU_* env set"))
     if not out:
         held = tpu - int(node.get("available_tpu", tpu))

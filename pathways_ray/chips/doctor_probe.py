@@ -52,19 +52,16 @@ def versions() -> tuple[dict[str, str | None], dict[str, list[tuple[str, str]]]]
     found["libtpu"] = version("libtpu") or version("libtpu-nightly")
     found["python"] = _platform.python_version()
     wanted: dict[str, list[tuple[str, str]]] = {}
-    for who, extra in (("jax", "tpu"), ("pathways-ray", None)):
-        if not found.get(who):
-            continue
-        for req in metadata.requires(who) or []:
-            name, _, rest = req.partition(";")
-            m = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*(\[[^\]]*\])?\s*([<>=!~][^;]*)$", name)
-            if not m or m.group(1) not in ("jax", "jaxlib", "libtpu"):
-                continue
-            marker = rest.strip()
-            if marker and marker != f'extra == "{extra}"':
-                continue
-            spec = ",".join(sorted(s.strip() for s in m.group(3).split(",")))
-            wanted.setdefault(m.group(1), []).append((spec, f"{who} {found[who]}"))
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # packaging comes with pip and Ray; without it, no pins checked
+        return found, wanted
+    for who, extra in (("jax", "tpu"), ("pathways-ray", "")):
+        for req in (metadata.requires(who) or []) if found.get(who) else []:
+            r = Requirement(req)
+            if r.name in ("jax", "jaxlib", "libtpu") and r.specifier and (
+                    r.marker is None or r.marker.evaluate({"extra": extra})):
+                wanted.setdefault(r.name, []).append((str(r.specifier), f"{who} {found[who]}"))
     return found, wanted
 
 
@@ -236,16 +233,16 @@ def survey(*, open_chips: bool = True, open_timeout_s: float = 90.0,
             labels = n.get("Labels", {})
             name = f"{labels.get('ray.io/tpu-slice-name', '?')}/" \
                    f"{labels.get('ray.io/tpu-worker-id', '?')}"
-            reports[nid] = HostFacts(host=name, versions={}, answered=False,
-                                     open_note=f"host {name} (node {nid[:8]}) did not answer "
-                                               f"within {timeout_s:g} s (--timeout)")
+            reports[nid] = HostFacts(host=name, versions={},
+                                     unreachable=f"host {name} (node {nid[:8]}) did not "
+                                                 f"answer within {timeout_s:g} s (--timeout)")
             continue
         try:
             reports[nid] = ray.get(ref, timeout=5)
         except Exception as e:  # noqa: BLE001 - a host that died mid-probe: say so
-            reports[nid] = HostFacts(host=f"node {nid[:8]}", versions={}, answered=False,
-                                     open_note=f"the probe on node {nid[:8]} failed: "
-                                               f"{type(e).__name__}: {str(e)[:200]}")
+            reports[nid] = HostFacts(host=f"node {nid[:8]}", versions={},
+                                     unreachable=f"the probe on node {nid[:8]} failed: "
+                                                 f"{type(e).__name__}: {str(e)[:200]}")
             continue
         ray_node(reports[nid], nodes, available, address, node_id=nid)
     return sorted(reports.values(), key=lambda f: f.key)

@@ -44,13 +44,23 @@ def _connect(args) -> str | None:
         return None
     import argparse
 
+    from ray._private.services import find_bootstrap_address
+
     from pathways_ray.cli.common import connect_for_status
     from pathways_ray.emulation.local_fleet import running_fleets
 
-    if not (args.address or os.environ.get("RAY_ADDRESS") or running_fleets()):
-        return ("not connected to a Ray cluster (no --address, $RAY_ADDRESS or local fleet): "
-                "Ray's view of this host not checked")
-    connect_for_status(argparse.Namespace(address=args.address, name=args.fleet))
+    # --address, $RAY_ADDRESS, a local fleet, else the cluster `ray start` joined here
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address and not running_fleets():
+        address = find_bootstrap_address(None)
+        if not address:
+            return ("not connected to a Ray cluster (no --address, $RAY_ADDRESS, local fleet "
+                    "or `ray start` on this host): Ray's view of this host not checked")
+    try:
+        connect_for_status(argparse.Namespace(address=address, name=args.fleet))
+    except Exception as e:  # noqa: BLE001 - a doctor reports it, and checks the rest
+        return (f"could not connect to the Ray cluster ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}): Ray's view not checked")
     return None
 
 
@@ -148,7 +158,7 @@ def _cluster_table(found) -> Table:
         ray = by_area.get("ray")
         opened = by_area.get("open")
         bad = [c for c in checks if c.level == "problem"]
-        t.add_row(escape(facts.key), facts.platform if facts.answered else "?",
+        t.add_row(escape(facts.key), "?" if facts.unreachable else facts.platform,
                   _chips(facts),
                   f"{v.get('jax') or '-'} / {v.get('libtpu') or '-'}",
                   _MARK[ray.level] if ray else "-",
@@ -162,4 +172,4 @@ def _chips(facts) -> str:
     if facts.chip_paths:
         return str(len(facts.chip_paths))
     tpu = (facts.ray or {}).get("resources", {}).get("TPU")
-    return f"{tpu:g}" if tpu and facts.answered else "?"
+    return f"{tpu:g}" if tpu and not facts.unreachable else "?"

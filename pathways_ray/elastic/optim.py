@@ -134,6 +134,14 @@ def step_fns(loss_fn: Callable, params, optimizer, *, microbatches: int, total: 
     import jax.numpy as jnp
     from jax.flatten_util import ravel_pytree
 
+    if compute_dtype is not None:
+        try:
+            floating = jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(f"compute_dtype={compute_dtype!r} is not a floating dtype; use "
+                             f"e.g. jnp.bfloat16 (or None to compute in the parameters' own)")
     _, unravel = ravel_pytree(params)
     empty = optimizer.init(params) if not has_opt else None
 

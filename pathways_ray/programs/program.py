@@ -11,6 +11,7 @@ a slice: any slice with that many chips can run it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -111,22 +112,11 @@ def export_program(fn, mesh: MeshShape, in_specs: list, out_specs: Any, args: li
     with _pallas_interpreted(platform == "cpu"):
         exp = export.export(jitted, platforms=[platform])(*avals)
     out_tree = exp.out_tree
-    try:
-        blob = bytes(exp.serialize())
-    except ValueError as e:
-        if "unregistered type" not in str(e):
-            raise
-        # Results in a named tuple (an optax state) or another type jax.export cannot
-        # name: export the flat leaves instead. The chips need no result structure;
-        # the client rebuilds it from ``out_tree``.
-        if out_shardings is not None:
-            full = jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves)
-            out_shardings = tuple(jax.tree.leaves(jax.tree.broadcast(out_shardings, full)))
-        jitted = jax.jit(lambda *a: tuple(jax.tree.leaves(fn(*a))),
-                         in_shardings=tuple(in_shardings), out_shardings=out_shardings)
-        with _pallas_interpreted(platform == "cpu"):
-            exp = export.export(jitted, platforms=[platform])(*avals)
-        blob = bytes(exp.serialize())
+    # The chips take the results as a flat list (the client rebuilds their structure
+    # from ``out_tree``), and jax.export cannot serialize a result tree holding a named
+    # tuple it does not know (an optax state): the program goes out with a flat one.
+    flat = jax.tree.structure(tuple(range(out_tree.num_leaves)))
+    blob = bytes(dataclasses.replace(exp, out_tree=flat).serialize())
     out_sigs = []
     for aval, sharding in zip(exp.out_avals, exp.out_shardings_jax(amesh), strict=True):
         spec = tuple(sharding.spec) if sharding is not None else ()
