@@ -256,3 +256,46 @@ def test_a_frozen_worker_below_a_relay_silences_the_root_and_a_killed_one_is_nam
         proc.join(5)
         ch.close()
         root.close()
+
+
+def test_listening_tells_a_killed_worker_at_once_and_a_frozen_one_still_listens():
+    """What the controller asks first when a slice is lost (``losses.chip_health``):
+    the killed process's port refuses at once, the frozen one's kernel still accepts,
+    and the probe does not disturb a live stream (the server drops it later, unread)."""
+    import multiprocessing
+    import os
+    import signal
+
+    from pathways_ray.transport.channel import listening
+
+    ctx = multiprocessing.get_context("spawn")
+    procs, pipes, addresses = [], [], []
+    for _ in range(2):
+        here, there = ctx.Pipe()  # (kept open: the worker serves until it closes)
+        proc = ctx.Process(target=_serve_in_process, args=(there,), daemon=True)
+        proc.start()
+        procs.append(proc)
+        pipes.append(here)
+        addresses.append(here.recv())
+    live = ChannelServer("127.0.0.1", lambda batch: None)
+    ch = CommandChannel(live.address, live.token, timeout_s=10, what="rank 0")
+    try:
+        ch.send(dumps([0]))
+        ch.wait_acked(1)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].join(5)
+        t0 = time.monotonic()
+        up = listening([live.address, addresses[0][0], addresses[1][0]], timeout_s=5)
+        assert up == [True, True, False]
+        assert time.monotonic() - t0 < 1, "a refused port must not wait for the timeout"
+        ch.send(dumps([1]))  # the live stream goes on
+        ch.wait_acked(2)
+        assert listening([], timeout_s=1) == []
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(5)
+        ch.close()
+        live.close()

@@ -60,6 +60,7 @@ class Slice:
         self._sidecar_lock = threading.Lock()
         self._pg = spg.slice_placement_group if spg is not None else None
         self.borrowed = False  # lent by a shared service, which keeps the reservation
+        self.listeners: list[tuple[str, int]] = []  # each rank's command stream server
 
     # ---- lending (a shared service's pool, service.py) --------------------------------
     def lend(self) -> dict:

@@ -39,6 +39,7 @@ This module is the framing and the controller's end (``CommandChannel``);
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import pickle
 import select
@@ -50,7 +51,7 @@ from pathways_ray.errors import WaitTimeout, WorkerDied
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CommandChannel", "dumps", "recv_msg", "send_msg"]
+__all__ = ["CommandChannel", "dumps", "listening", "recv_msg", "send_msg"]
 
 _LEN = struct.Struct("!Q")
 TOKEN_BYTES = 32
@@ -241,6 +242,38 @@ def _frames(buf: bytes) -> tuple[int | None, int | None]:
         else:
             latest = value
     return latest, reported
+
+
+def listening(addresses: list[tuple[str, int]], timeout_s: float) -> list[bool]:
+    """Whether something still listens at each ``(host, port)``: one connect to each,
+    all at once, closed unused. A killed process's port refuses at once, a lost
+    machine's stays silent (``False`` after ``timeout_s``); a frozen process still
+    counts as listening, for its kernel completes the handshake. A chip worker's
+    ``ChannelServer`` takes such a connection only after its stream ends, and drops
+    it for want of the secret."""
+    socks: list[socket.socket | None] = []
+    for host, port in addresses:
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        s.setblocking(False)
+        if s.connect_ex((host, port)) not in (0, errno.EINPROGRESS):
+            s.close()
+            s = None
+        socks.append(s)
+    pending = {s.fileno(): s for s in socks if s is not None}
+    deadline = time.monotonic() + timeout_s
+    poller = select.poll()
+    for fd in pending:
+        poller.register(fd, select.POLLOUT)
+    done: dict[int, bool] = {}
+    while len(done) < len(pending) and (left := deadline - time.monotonic()) > 0:
+        for fd, _ in poller.poll(left * 1000):
+            poller.unregister(fd)
+            done[fd] = pending[fd].getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+    out = [s is not None and done.get(s.fileno(), False) for s in socks]
+    for s in socks:
+        if s is not None:
+            s.close()
+    return out
 
 
 def dumps(batch: list) -> bytes:
