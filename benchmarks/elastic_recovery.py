@@ -421,11 +421,13 @@ def main() -> None:
         row("host back -> training on 3 slices (s)", ".2f", "back_s")
         row("  of which reserved, 4 workers up (s)", ".2f", "reserved_s")
         row("  of which programs loaded, warm (s)", ".2f", "warm_s")
+        row("  the new host's processes used (CPU-s)", ".1f", "host_cpu_s")
+        row("  cores busy in steady training (%)", ".0f",
+            lambda m: None if m["busy"] is None else 100 * m["busy"])
         row("longest step while growing back (s)", ".2f", "stall_s")
         row("steps recomputed", "d", "recomputed")
         row("losses vs single-process (max rel)", ".1e", "max_rel_diff")
-        row("optimizer's step count at the end", "d",
-            lambda m: m["optimizer_step"] if m["optimizer_step"] is not None else None)
+        row("optimizer's step count at the end", "d", "optimizer_step")
         row("steps run", "d", "steps")
         row("step: 3 slices (s)", ".3f", "before_s")
         row("step: 2 slices (s)", ".3f", "degraded_s")

@@ -31,7 +31,7 @@ import numpy as np
 import ray.train
 
 from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn, param_specs
-from pathways_ray.elastic.optim import adamw_warmup_cosine, opt_shardings, step_fns
+from pathways_ray.elastic.optim import adamw_warmup_cosine, init_state, opt_shardings, step_fns
 from pathways_ray.trainers import (
     Checkpoint,
     JaxTrainer,
@@ -108,10 +108,10 @@ def train_loop(config: dict) -> None:
 
     host = init_params(cfg, config["seed"])
     opt = _optimizer(config)
-    opt_state = opt.init(host)
-    state_sharding = {"params": shard, "opt": opt_shardings(opt_state, host, shard, replicated)}
-    state = jax.tree.map(put, {"params": host, "opt": jax.tree.map(np.asarray, opt_state)},
-                         state_sharding)
+    host_state = init_state(opt, host)  # {"params", "opt"}: AdamW keeps its moments
+    state_sharding = {"params": shard,
+                      "opt": opt_shardings(host_state["opt"], host, shard, replicated)}
+    state = jax.tree.map(put, host_state, state_sharding)
     # The single controller's arithmetic (pathways_ray.elastic.optim), on one global batch
     # of k micro-batches: the same optimizer, accumulation and compute dtype.
     fns = step_fns(lambda p, b: loss_fn(p, b, cfg), host, opt, microbatches=k, total=k,

@@ -259,7 +259,7 @@ def test_a_frozen_worker_below_a_relay_silences_the_root_and_a_killed_one_is_nam
 
 
 def test_listening_tells_a_killed_worker_at_once_and_a_frozen_one_still_listens():
-    """What the controller asks first when a slice is lost (``losses.chip_health``):
+    """What the controller asks first when a slice is lost (``Slice.health``):
     the killed process's port refuses at once, the frozen one's kernel still accepts,
     and the probe does not disturb a live stream (the server drops it later, unread)."""
     import multiprocessing

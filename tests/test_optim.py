@@ -14,6 +14,7 @@ from pathways_ray.demo.lm import LMConfig, MarkovText, init_params, loss_fn
 from pathways_ray.elastic.optim import (
     SGD,
     adamw_warmup_cosine,
+    init_state,
     opt_shardings,
     optimizer_of,
     single_process,
@@ -34,12 +35,11 @@ def _run_as_the_trainer(optimizer, batches, *, microbatches=K, compute_dtype=Non
     """The trainer's arithmetic in one process: each group's vector, summed in group
     order, then apply: the losses and the final state."""
     params = init_params(CFG)
-    has_opt = bool(jax.tree.leaves(optimizer.init(params)))
     fns = step_fns(lambda p, b: loss_fn(p, b, CFG), params, optimizer,
                    microbatches=microbatches, total=GROUPS * microbatches,
-                   compute_dtype=compute_dtype, has_opt=has_opt)
+                   compute_dtype=compute_dtype)
     grads, add, apply = jax.jit(fns.grads), jax.jit(fns.add), jax.jit(fns.apply)
-    state = {"params": params, **({"opt": optimizer.init(params)} if has_opt else {})}
+    state = init_state(optimizer, params)
     losses = []
     for batch in batches:
         groups = np.split(batch, GROUPS)
@@ -111,6 +111,8 @@ def test_bad_optimizer_settings_are_named():
         optimizer_of(None, -1)
     with pytest.raises(TypeError, match="not an optax.GradientTransformation"):
         optimizer_of(object(), None)
+    with pytest.raises(ValueError, match="microbatches=0 must be a whole number >= 1"):
+        step_fns(loss_fn, {"w": np.zeros(2, np.float32)}, SGD(0.1), microbatches=0, total=1)
     with pytest.raises(ValueError, match="compute_dtype='bf16' is not a floating dtype"):
         step_fns(loss_fn, {"w": np.zeros(2, np.float32)}, SGD(0.1), microbatches=1, total=1,
                  compute_dtype="bf16")
@@ -130,7 +132,7 @@ def test_one_spmd_step_is_the_same_arithmetic_without_raveling():
     params = init_params(CFG)
     fns = step_fns(lambda p, b: loss_fn(p, b, CFG), params, opt, microbatches=K, total=K)
     step = jax.jit(fns.step)
-    state = {"params": params, "opt": opt.init(params)}
+    state = init_state(opt, params)
     losses = []
     for batch in _batches(4):
         state, loss = step(state, batch.reshape(K, -1, *batch.shape[1:]))

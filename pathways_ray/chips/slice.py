@@ -32,10 +32,13 @@ from pathways_ray.clusters.cluster import cluster_slices, describe_capacity
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import NAMESPACE, TIMEOUTS
 from pathways_ray.errors import ReservationTimeout, WaitTimeout, WorkerDied
+from pathways_ray.transport.channel import listening
 
 __all__ = ["Slice"]
 
 logger = logging.getLogger(__name__)
+
+LISTEN_S = 0.5  # a live host completes a TCP handshake within this (Slice.health)
 
 
 def _capacity() -> str:
@@ -60,7 +63,7 @@ class Slice:
         self._sidecar_lock = threading.Lock()
         self._pg = spg.slice_placement_group if spg is not None else None
         self.borrowed = False  # lent by a shared service, which keeps the reservation
-        self.listeners: list[tuple[str, int]] = []  # each rank's command stream server
+        self.listeners: list[tuple[str, int]] = []  # each rank's command server (health)
 
     # ---- lending (a shared service's pool, service.py) --------------------------------
     def lend(self) -> dict:
@@ -282,7 +285,20 @@ class Slice:
         return self._call_all("all_reduce", [(v,) for v in values], timeout_s)
 
     def health(self, timeout_s: float = 5.0) -> list[tuple[SliceWorker, str]]:
-        """Each worker with ``"ok"``, ``"dead"`` or ``"unresponsive"``."""
+        """Each worker with ``"ok"``, ``"dead"`` or ``"unresponsive"``, as soon as known.
+
+        Ray reports the actors of a killed process dead 1-1.5 s after it dies (a ping
+        hangs until then: most of the time from a lost host to the next step, when the
+        controller named the hosts that way). A killed worker's command listener
+        (``listeners``, once a controller opened its streams) refuses a connection at
+        once, and a lost machine's stays silent: those workers are dead now. Only when
+        every listener answers (a frozen or hung worker, whose kernel still accepts)
+        are they pinged through Ray, which tells the frozen ones apart."""
+        if self.listeners:
+            up = listening(self.listeners, LISTEN_S)
+            if not all(up):
+                return [(w, "ok" if ok else "dead") for w, ok in zip(self.workers, up,
+                                                                      strict=True)]
         return ping_all(self.workers, timeout_s)
 
     def _call_all(self, method: str, args: list[tuple], timeout_s: float) -> list:
@@ -354,7 +370,7 @@ class Slice:
         if not lost:
             # A world with a dead or frozen member cannot be left together: waiting for it
             # would only run out the shutdown deadline (30 s, seen in a test's teardown).
-            lost = any(h != "ok" for _, h in ping_all(self.workers, 2.0))
+            lost = any(h != "ok" for _, h in self.health(2.0))
         if not lost:
             # Leave the JAX world together first: killing the coordinator's rank while the
             # others still poll it makes them abort with fatal-error logs.

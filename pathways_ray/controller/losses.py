@@ -6,33 +6,12 @@ from __future__ import annotations
 import logging
 
 from pathways_ray import boundary
-from pathways_ray.chips.handles import ping_all
 from pathways_ray.chips.slice import Slice
 from pathways_ray.controller.placement import Placement
 from pathways_ray.errors import SliceLost
-from pathways_ray.transport.channel import CommandChannel, listening
+from pathways_ray.transport.channel import CommandChannel
 
 logger = logging.getLogger("pathways_ray.controller.controller")
-
-PING_S = 2.0  # a live actor answers a ping within this
-LISTEN_S = 0.5  # a live host completes a TCP handshake within this
-
-
-def chip_health(s: Slice) -> dict[int, str]:
-    """Each rank of ``s``: ``"ok"``, ``"dead"`` or ``"unresponsive"``, as soon as known.
-
-    Ray reports the actors of a killed process dead only 1-1.5 s after it dies (its
-    pings hang until then), which was most of the time from a lost host to the next
-    step. A killed process's command listener refuses a connection at once, and a lost
-    machine's stays silent: those ranks are dead now. Only when every listener
-    answers (a frozen or hung worker, whose kernel still accepts) are the workers
-    pinged through Ray, which tells the frozen ones (no answer) apart.
-    """
-    if s.listeners:
-        up = listening(s.listeners, LISTEN_S)
-        if not all(up):
-            return {w.rank: "ok" if ok else "dead" for w, ok in zip(s.workers, up, strict=True)}
-    return {w.rank: h for w, h in ping_all(s.workers, PING_S)}
 
 
 class LossesAndGrowth:
@@ -84,7 +63,7 @@ class LossesAndGrowth:
         placement whose workers are not all healthy lost. Returns the error to raise."""
         p = self._place(where)
         members = list(p.slices)
-        sick = [s for s in members if any(h != "ok" for h in chip_health(s).values())]
+        sick = [s for s in members if any(h != "ok" for _, h in s.health(2.0))]
         errors = [self._lose(s.name, reason) for s in (sick or members)]
         return errors[0]
 
@@ -114,12 +93,12 @@ class LossesAndGrowth:
         s = self.slices.pop(name)
         self._sidecar_pings.pop(name, None)
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        health = chip_health(s)
+        health = {w.rank: h for w, h in s.health(2.0)}
         hosts = {f"{name}/{w.info.worker_id}" for w in s.workers
                  if w.info.node_id not in alive or health[w.rank] != "ok"}
         if all(h != "dead" for h in health.values()):  # (a dead chip names its host)
             hosts.update(f"{name}/{sc.worker_id}" for sc, h in boundary.health(
-                [(sc, sc.handle) for sc in s._sidecars or []], PING_S) if h != "ok")
+                [(sc, sc.handle) for sc in s._sidecars or []], 2.0) if h != "ok")
         hosts = tuple(sorted(hosts))
         silent = [w.rank for w in s.workers if health[w.rank] != "ok"]
         if silent and len(silent) < len(s.workers):  # which chip, when the stream's end

@@ -39,7 +39,7 @@ class Streams:
         ends = boundary.get(
             [w.handle.open_channel.remote(lease=self._token) for w in s.workers],
             timeout="control", what=f"opening the command streams of {s.name}", died=died)
-        s.listeners = [address for address, _ in ends]  # losses.chip_health probes them
+        s.listeners = [address for address, _ in ends]  # Slice.health probes them
         targets = list(zip(s.workers, ends, strict=True))
         if self.fanout and len(s.workers) > 1:
             hosts: dict[int, list[int]] = {}

@@ -40,7 +40,13 @@ from pathways_ray.elastic.elastic_policy import (
     snapshot_due,
 )
 from pathways_ray.elastic.feed import HostFeed
-from pathways_ray.elastic.optim import opt_shardings, optimizer_of, step_count, step_fns
+from pathways_ray.elastic.optim import (
+    init_state,
+    opt_shardings,
+    optimizer_of,
+    step_count,
+    step_fns,
+)
 from pathways_ray.errors import SliceLost
 
 __all__ = ["DataParallelTrainer", "StepResult"]
@@ -113,9 +119,8 @@ class DataParallelTrainer(Recovery):
         self._feeds: dict[str, Callable] = {}  # slice -> its sidecar's batch reader
         self.live = list(slices or [s.name for s in client.slices])
         self.optimizer = optimizer_of(optimizer, lr)
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches={microbatches!r} must be a whole number >= 1 "
-                             f"(micro-batches per slice and step)")
+        fns = step_fns(loss_fn, params, self.optimizer, microbatches=microbatches,
+                       total=len(self.live) * microbatches, compute_dtype=compute_dtype)
         self.groups, self.microbatches = len(self.live), microbatches
         self.num_microbatches = self.groups * microbatches
         self.target = len(self.live)
@@ -139,17 +144,11 @@ class DataParallelTrainer(Recovery):
         # A group's input: one micro-batch, or several stacked on a leading axis.
         self.batch_sharding = NamedSharding(self.mesh, P("data") if microbatches == 1
                                             else P(None, "data"))
-        opt = self.optimizer.init(params)
-        has_opt = bool(jax.tree.leaves(opt))
+        self._host_state = init_state(self.optimizer, params)
         self.state_shardings = {"params": self.param_shardings}
-        self._host_state = {"params": params}
-        if has_opt:
-            self.state_shardings["opt"] = opt_shardings(opt, params, self.param_shardings,
-                                                        self.replicated)
-            self._host_state["opt"] = jax.tree.map(np.asarray, opt)
-        fns = step_fns(loss_fn, params, self.optimizer, microbatches=microbatches,
-                       total=self.num_microbatches, compute_dtype=compute_dtype,
-                       has_opt=has_opt)
+        if "opt" in self._host_state:
+            self.state_shardings["opt"] = opt_shardings(self._host_state["opt"], params,
+                                                        self.param_shardings, self.replicated)
         self._grads = client.jit(fns.grads, out_shardings=self.replicated)
         self._add = client.jit(fns.add, out_shardings=self.replicated)
         self._apply = client.jit(fns.apply, out_shardings=(self.state_shardings,

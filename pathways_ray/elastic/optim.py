@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["SGD", "StepFns", "adamw_warmup_cosine", "opt_shardings", "optimizer_of",
-           "single_process", "step_count", "step_fns"]
+__all__ = ["SGD", "StepFns", "adamw_warmup_cosine", "init_state", "opt_shardings",
+           "optimizer_of", "single_process", "step_count", "step_fns"]
 
 
 class SGD(NamedTuple):
@@ -71,6 +71,19 @@ def adamw_warmup_cosine(peak_lr: float, total_steps: int, *, warmup_steps: int |
                                                        adamw)
 
 
+def init_state(optimizer, params) -> dict:
+    """What a step carries from one to the next: ``{"params": params, "opt": its state}``,
+    without ``"opt"`` for an optimizer that keeps no arrays (``SGD``, plain
+    ``optax.sgd``). The state on the host, as numpy arrays."""
+    import jax
+    import numpy as np
+
+    opt = optimizer.init(params)
+    if not jax.tree.leaves(opt):
+        return {"params": params}
+    return {"params": params, "opt": jax.tree.map(np.asarray, opt)}
+
+
 def opt_shardings(opt_state, params, param_shardings, replicated):
     """A sharding for every array of ``opt_state``: the parameters' own for each part that
     mirrors them (Adam's moments: same structure, same shapes), ``replicated`` for the
@@ -119,7 +132,7 @@ class StepFns:
 
 
 def step_fns(loss_fn: Callable, params, optimizer, *, microbatches: int, total: int,
-             compute_dtype: Any = None, has_opt: bool = True) -> StepFns:
+             compute_dtype: Any = None) -> StepFns:
     """The step's functions for ``loss_fn(params, batch) -> scalar``.
 
     A group holds ``microbatches`` micro-batches stacked on a new leading axis (or is
@@ -128,12 +141,15 @@ def step_fns(loss_fn: Callable, params, optimizer, *, microbatches: int, total: 
     time). ``total`` is the number of micro-batches in the global batch: the update
     uses their mean. ``compute_dtype`` (e.g. ``jnp.bfloat16``): the loss sees the
     floating parameters cast to it, while the parameters, gradients and optimizer
-    state stay in their own dtype (float32 master weights). ``has_opt``: the state
-    carries the optimizer's (False where it has no arrays, e.g. ``SGD``)."""
+    state stay in their own dtype (float32 master weights). The state is
+    ``init_state``'s: the optimizer's is in it where it keeps arrays."""
     import jax
     import jax.numpy as jnp
     from jax.flatten_util import ravel_pytree
 
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be a whole number >= 1 "
+                         f"(micro-batches per group and step)")
     if compute_dtype is not None:
         try:
             floating = jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating)
@@ -143,7 +159,6 @@ def step_fns(loss_fn: Callable, params, optimizer, *, microbatches: int, total: 
             raise ValueError(f"compute_dtype={compute_dtype!r} is not a floating dtype; use "
                              f"e.g. jnp.bfloat16 (or None to compute in the parameters' own)")
     _, unravel = ravel_pytree(params)
-    empty = optimizer.init(params) if not has_opt else None
 
     def cast(p):
         if compute_dtype is None:
@@ -169,9 +184,10 @@ def step_fns(loss_fn: Callable, params, optimizer, *, microbatches: int, total: 
     def update(state, g, loss):
         p = state["params"]
         g = jax.tree.map(lambda x, ref: x.astype(ref.dtype), g, p)
-        updates, opt = optimizer.update(g, state["opt"] if has_opt else empty, p)
+        kept = "opt" in state  # (a stateless optimizer's empty state is made here)
+        updates, opt = optimizer.update(g, state["opt"] if kept else optimizer.init(p), p)
         new = jax.tree.map(lambda x, u: (x + u).astype(x.dtype), p, updates)
-        return ({"params": new, "opt": opt} if has_opt else {"params": new}), loss
+        return ({"params": new, "opt": opt} if kept else {"params": new}), loss
 
     def grads(p, group):
         loss, g = summed(p, group)

@@ -252,28 +252,29 @@ def listening(addresses: list[tuple[str, int]], timeout_s: float) -> list[bool]:
     ``ChannelServer`` takes such a connection only after its stream ends, and drops
     it for want of the secret."""
     socks: list[socket.socket | None] = []
-    for host, port in addresses:
-        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        s.setblocking(False)
-        if s.connect_ex((host, port)) not in (0, errno.EINPROGRESS):
-            s.close()
-            s = None
-        socks.append(s)
-    pending = {s.fileno(): s for s in socks if s is not None}
-    deadline = time.monotonic() + timeout_s
-    poller = select.poll()
-    for fd in pending:
-        poller.register(fd, select.POLLOUT)
-    done: dict[int, bool] = {}
-    while len(done) < len(pending) and (left := deadline - time.monotonic()) > 0:
-        for fd, _ in poller.poll(left * 1000):
-            poller.unregister(fd)
-            done[fd] = pending[fd].getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
-    out = [s is not None and done.get(s.fileno(), False) for s in socks]
-    for s in socks:
-        if s is not None:
-            s.close()
-    return out
+    try:
+        for host, port in addresses:
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            socks.append(s)
+            s.setblocking(False)
+            if s.connect_ex((host, port)) not in (0, errno.EINPROGRESS):
+                s.close()
+                socks[-1] = None
+        pending = {s.fileno(): s for s in socks if s is not None}
+        poller = select.poll()
+        for fd in pending:
+            poller.register(fd, select.POLLOUT)
+        done: dict[int, bool] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(done) < len(pending) and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                done[fd] = pending[fd].getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        return [s is not None and done.get(s.fileno(), False) for s in socks]
+    finally:
+        for s in socks:
+            if s is not None:
+                s.close()
 
 
 def dumps(batch: list) -> bytes:
