@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import ray
 
-from pathways_ray import LocalFleet, Slice, _procs
+from pathways_ray import LocalFleet, Slice
 
 
 def mib(n: float) -> str:
@@ -77,9 +77,8 @@ def main() -> None:
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                 host_node, soft=False)).remote()
         plain_mem = memory(ray.get(plain.pid.remote(), timeout=60))
-        key = f"{first.name}/0"
         chip_pids = {w.info.pid for s in [first, *rest] for w in s.workers}
-        host_procs = [p for p in _procs.find(_procs.HOST_ENV, key) if p.pid not in chip_pids
+        host_procs = [p for p in fleet.host_processes(first.name, 0) if p.pid not in chip_pids
                       and p.pid != ray.get(plain.pid.remote())]
         host_rss = sum(p.memory_info().rss for p in host_procs)
         for s in [first, *rest]:

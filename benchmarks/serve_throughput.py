@@ -260,7 +260,7 @@ def _run_ray_serve(args, interval_ms: int | None):
         print(f"  Ray Serve LLM app up in {time.monotonic() - t0:.0f}s", flush=True)
         try:
             return measure(url, "smollm2", args,
-                           lambda: _procs.find(_procs.FLEET_ENV, fleet.fleet_id), ray=True)
+                           lambda: _procs.find(fleet.fleet_id), ray=True)
         finally:
             shutdown_llm(None)
 

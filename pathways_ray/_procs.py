@@ -9,6 +9,12 @@ them. As a second net, every process also carries ``PATHWAYS_RAY_FLEET=<id>``
 a process that started a session of its own. The environment alone is not
 enough: processes that rename themselves with ``setproctitle`` (Ray's
 dashboard and runtime-env agents) overwrite it.
+
+Every selection names its fleet (``find(fleet_id, ...)``): the host tag
+``<slice>/<worker>`` repeats in every fleet (two fleets of 2x2 slices both have a
+host ``v6e-2x2-1/0``), so a host is selected by its tag *and* its fleet's id, or by
+the host's own sessions; a process that says it belongs to another fleet is never
+selected, whatever its session.
 """
 
 from __future__ import annotations
@@ -40,12 +46,29 @@ def _looks_like_ray(proc: psutil.Process) -> bool:
     return "ray" in text.lower() or "gcs_server" in text
 
 
-def find(env_key: str, value: str, sessions: Collection[int] = ()) -> list[psutil.Process]:
-    """Live processes in one of ``sessions``, or tagged ``env_key=value``.
+def _belongs(proc: psutil.Process, fleet_id: str, host: str | None,
+             sessions: set[int]) -> bool:
+    """Whether ``proc`` is one of fleet ``fleet_id``'s (of its host ``host``, if given)."""
+    env = proc.environ()
+    tagged = env.get(FLEET_ENV)
+    if tagged is not None and tagged != fleet_id:
+        return False  # another fleet's, even in a session id that pid reuse made equal
+    if tagged == fleet_id and (host is None or env.get(HOST_ENV) == host):
+        return True
+    # Renamed processes (setproctitle) lose their environment: their session says it.
+    return bool(sessions) and os.getsid(proc.pid) in sessions and _looks_like_ray(proc)
 
-    A session match also requires a Ray-looking command line, so a recycled
-    session id can never make us touch an unrelated program.
+
+def find(fleet_id: str, sessions: Collection[int] = (), *,
+         host: str | None = None) -> list[psutil.Process]:
+    """Live processes of fleet ``fleet_id`` (only host ``host``'s, "<slice>/<worker>",
+    when given): tagged with the fleet's id (and the host), or in one of ``sessions``
+    (the fleet's, or the host's, ``ray start`` sessions) with a Ray-looking command
+    line. A process tagged with another fleet's id is never selected.
     """
+    if not fleet_id:
+        raise ValueError("fleet_id='' selects no fleet: a process is selected by its "
+                         "fleet's id (a host's tag repeats in every fleet)")
     me = os.getpid()
     sessions = set(sessions)
     found = []
@@ -55,9 +78,7 @@ def find(env_key: str, value: str, sessions: Collection[int] = ()) -> list[psuti
         try:
             if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if sessions and os.getsid(proc.pid) in sessions and _looks_like_ray(proc):
-                found.append(proc)
-            elif proc.environ().get(env_key) == value:
+            if _belongs(proc, fleet_id, host, sessions):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess,
                 ProcessLookupError, PermissionError):
@@ -88,16 +109,16 @@ def kill(procs: list[psutil.Process], *, grace_s: float, sig: int = signal.SIGTE
         logger.warning("process %s survived SIGKILL", p.pid)
 
 
-def kill_all(env_key: str, value: str, sessions: Collection[int] = (), *, grace_s: float,
-             sig: int = signal.SIGTERM) -> int:
-    """Stop every process of ``sessions`` or tagged ``env_key=value``, until none is left.
+def kill_all(fleet_id: str, sessions: Collection[int] = (), *, host: str | None = None,
+             grace_s: float, sig: int = signal.SIGTERM) -> int:
+    """Stop every process ``find`` selects, until none is left.
 
     Repeats because a dying raylet may still spawn a worker in the meantime.
     Returns how many processes were stopped.
     """
     total = 0
     for _ in range(5):
-        procs = find(env_key, value, sessions)
+        procs = find(fleet_id, sessions, host=host)
         if not procs:
             break
         total += len(procs)
@@ -105,11 +126,11 @@ def kill_all(env_key: str, value: str, sessions: Collection[int] = (), *, grace_
     return total
 
 
-def wait_gone(env_key: str, value: str, sessions: Collection[int] = (),
+def wait_gone(fleet_id: str, sessions: Collection[int] = (), *, host: str | None = None,
               timeout_s: float = 5.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout_s
     while True:
-        left = find(env_key, value, sessions)
+        left = find(fleet_id, sessions, host=host)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)

@@ -149,10 +149,7 @@ def test_a_reshard_from_a_lost_slice_raises_and_creates_nothing(fleet):
 
 
 def _chip_processes(fleet, slice_name: str) -> list:
-    from pathways_ray import _procs
-
-    key = fleet._plan(slice_name, 0).key
-    return [p for p in _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key))
+    return [p for p in fleet.host_processes(slice_name, 0)
             if "ChipWorker" in " ".join(p.cmdline())]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 
-from pathways_ray import LocalFleet, ReservationTimeout, Slice, WorkerDied, _procs
+from pathways_ray import LocalFleet, ReservationTimeout, Slice, WorkerDied
 from pathways_ray.clusters.registry import list_registered_slices
 
 pytestmark = pytest.mark.slow
@@ -226,16 +226,14 @@ def test_removing_a_host_kills_exactly_its_workers(fleet, slices):
     """Killing one emulated host kills the 4 chip workers on it and no other worker."""
     a, b = slices
     victim = b.name
-    key = f"{victim}/1"
-    on_host = " ".join(" ".join(p.cmdline()) for p in
-                       _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key)))
+    on_host = " ".join(" ".join(p.cmdline()) for p in fleet.host_processes(victim, 1))
     # Ray's agents carry no tag of ours: they are found by the host's session.
     assert "DashboardAgent" in on_host and "RuntimeEnvAgent" in on_host, on_host
     # A live host's processes have used CPU (a Python interpreter's start alone does).
     assert fleet.host_cpu_s(victim, 1) > 0.5
     node_id = fleet.remove_host(victim, 1)
     assert node_id == fleet.node_ids[f"{victim}/1"]
-    assert _procs.find(_procs.HOST_ENV, key, fleet._host_sessions(key)) == [], (
+    assert fleet.host_processes(victim, 1) == [], (
         "the host's raylet and agents die with it")
     assert fleet.host_cpu_s(victim, 1) == 0.0  # nothing of it left to count
     health = dict((w.rank, state) for w, state in b.health(timeout_s=10))

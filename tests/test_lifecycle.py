@@ -237,7 +237,6 @@ def test_cli_chaos_against_a_running_fleet():
     thaw-host resumes them; `status --watch` redraws until Ctrl-C. Nothing is left."""
     import psutil
 
-    from pathways_ray import _procs
 
     before = ray_processes()
     up = run_cli("up", "--slices", "2", "--topology", "2x2", "--name", "tchaos")
@@ -267,7 +266,7 @@ def test_cli_chaos_against_a_running_fleet():
         from pathways_ray.emulation.local_fleet import LocalFleet
 
         fleet = LocalFleet.running("tchaos")
-        procs = _procs.find(_procs.HOST_ENV, "v6e-2x2-0/0", fleet._host_sessions("v6e-2x2-0/0"))
+        procs = fleet.host_processes("v6e-2x2-0", 0)
         assert procs and {p.status() for p in procs} == {psutil.STATUS_STOPPED}
         thaw = run_cli("chaos", "thaw-host", "v6e-2x2-0", "--name", "tchaos")
         assert thaw.returncode == 0, thaw.stderr

@@ -265,7 +265,7 @@ def _engine_threads(fleet) -> list[str]:
     from pathways_ray import _procs
 
     found = []
-    for p in _procs.find(_procs.FLEET_ENV, fleet.fleet_id):
+    for p in _procs.find(fleet.fleet_id):
         try:
             if p.name() == "VLLM::Worker":
                 found.append(p.environ().get("OMP_NUM_THREADS"))

@@ -102,7 +102,8 @@ def cmd_chaos(args) -> int:
     from pathways_ray.emulation.local_fleet import LocalFleet
 
     fleet = LocalFleet.running(args.name)
-    fleet._plan(args.slice, args.worker)  # a ValueError naming the hosts there are
+    fleet._plan(args.slice, args.worker)  # a ValueError naming the fleet and its hosts
+    processes = len(fleet.host_processes(args.slice, args.worker))
     match args.action:
         case "kill-host":
             fleet.remove_host(args.slice, args.worker)
@@ -110,8 +111,10 @@ def cmd_chaos(args) -> int:
             fleet.freeze_host(args.slice, args.worker, frozen=args.action == "freeze-host")
         case "restore-host":
             fleet.restore_host(args.slice, args.worker)
+            processes = len(fleet.host_processes(args.slice, args.worker))
     console.print(f"{CHAOS_ACTIONS[args.action]} host {args.slice}/{args.worker} of fleet "
-                  f"{fleet.name!r}")
+                  f"{fleet.name!r} ({fleet.fleet_id}, {processes} processes); no other "
+                  f"fleet was touched")
     return 0
 
 
@@ -133,7 +136,9 @@ def cmd_down(args) -> int:
             "several local fleets are running (" + ", ".join(f.name for f in running)
             + "); pick one with --name or stop them all with --all"
         )
+    ids = {f.name: f.fleet_id for f in running}
     for name in names:
         n = stop_local_fleet(name)
-        console.print(f"stopped fleet {name!r} ({n} processes)")
+        console.print(f"stopped fleet {name!r} ({ids.get(name, 'not running')}, {n} "
+                      f"processes)")
     return 0

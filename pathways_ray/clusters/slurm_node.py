@@ -93,7 +93,7 @@ def _serve(procs: list[subprocess.Popen]) -> int:
             rc = 1
             break
         time.sleep(0.5)
-    _procs.kill_all(_procs.FLEET_ENV, _TAG, [p.pid for p in procs], grace_s=5.0)
+    _procs.kill_all(_TAG, [p.pid for p in procs], grace_s=5.0)
     for p in procs:  # Ray's temp dirs (session logs): kept only for a post-mortem
         if rc:
             print(f"pathways-ray: Ray's logs of `ray start` {p.pid} are kept in {p.temp_dir}",

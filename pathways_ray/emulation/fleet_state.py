@@ -50,8 +50,8 @@ def stop_fleet_processes(state: FleetState | None, grace_s: float = 5.0) -> int:
     if state is None:
         return 0
     sessions = state.all_sessions()
-    n = _procs.kill_all(_procs.FLEET_ENV, state.fleet_id, sessions, grace_s=grace_s)
-    left = _procs.wait_gone(_procs.FLEET_ENV, state.fleet_id, sessions, timeout_s=5)
+    n = _procs.kill_all(state.fleet_id, sessions, grace_s=grace_s)
+    left = _procs.wait_gone(state.fleet_id, sessions, timeout_s=5)
     if left:
         raise FleetError(f"processes {[p.pid for p in left]} of fleet {state.fleet_id} survived")
     return n
@@ -68,7 +68,7 @@ def running_fleets() -> list[FleetState]:
             state = FleetState.read(state_file)
         except (OSError, ValueError, TypeError):
             continue
-        if _procs.find(_procs.FLEET_ENV, state.fleet_id, state.all_sessions()):
+        if _procs.find(state.fleet_id, state.all_sessions()):
             out.append(state)
     return out
 

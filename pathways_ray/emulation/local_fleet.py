@@ -34,6 +34,7 @@ from pathways_ray.clusters.host_plan import (
 )
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import base_dir
+from pathways_ray.emulation.chaos import HostFaults
 from pathways_ray.emulation.fleet_state import (
     FleetState,
     running_fleets,
@@ -67,7 +68,7 @@ def cluster_or_local(address: str | None = None, *, log_to_driver: bool = True,
     return LocalFleet(log_to_driver=log_to_driver, **local_fleet_kwargs)
 
 
-class LocalFleet(Fleet):
+class LocalFleet(HostFaults, Fleet):
     """A real multi-node Ray cluster on this machine emulating TPU slices.
 
     Example::
@@ -169,7 +170,7 @@ class LocalFleet(Fleet):
         state_file = self.dir / "fleet.json"
         if state_file.exists():
             old = FleetState.read(state_file)
-            if _procs.find(_procs.FLEET_ENV, old.fleet_id, old.all_sessions()):
+            if _procs.find(old.fleet_id, old.all_sessions()):
                 raise FleetError(
                     f"a fleet named {self.name!r} is already running at {old.address}; "
                     f"stop it with `pathways-ray down --name {self.name}` or pick another name="
@@ -279,43 +280,22 @@ class LocalFleet(Fleet):
             out.setdefault(plan.slice_name, plan.topology)
         return out
 
-    # ---- fault injection ------------------------------------------------------
-    def remove_host(self, slice_name: str, worker_id: int, timeout_s: float = 30.0) -> str:
-        """Kill one emulated host as a VM loss would (``chaos.kill_host``); returns the
-        dead node's id."""
-        from pathways_ray.emulation import chaos
-
-        return chaos.kill_host(self, slice_name, worker_id, timeout_s=timeout_s)
-
-    def freeze_host(self, slice_name: str, worker_id: int, frozen: bool = True) -> int:
-        """SIGSTOP (``frozen=False``: SIGCONT) one emulated host (``chaos.freeze_host``)."""
-        from pathways_ray.emulation import chaos
-
-        return chaos.freeze_host(self, slice_name, worker_id, frozen=frozen)
-
-    def restore_host(self, slice_name: str, worker_id: int, timeout_s: float = 60.0) -> str:
-        """Start a fresh raylet for a removed host (a replacement VM): its node id, or ""
-        from a handle that is not connected (``chaos.restore_host``)."""
-        from pathways_ray.emulation import chaos
-
-        return chaos.restore_host(self, slice_name, worker_id, timeout_s=timeout_s)
-
-    def host_cpu_s(self, slice_name: str, worker_id: int) -> float:
-        """CPU-seconds used so far by the live processes of one emulated host (its
-        raylet, Ray's agents, its workers): what the host costs this machine's cores."""
-        from pathways_ray.emulation import chaos
-
-        return chaos.host_cpu_s(self, slice_name, worker_id)
-
     # ---- internals ------------------------------------------------------------------
     def _plan(self, slice_name: str, worker_id: int) -> HostPlan:
         for plan in self.hosts:
             if plan.slice_name == slice_name and plan.worker_id == worker_id:
                 return plan
         raise ValueError(
-            f"no host slice_name={slice_name!r} worker_id={worker_id!r}; hosts are: "
-            + ", ".join(p.key for p in self.hosts)
+            f"no host slice_name={slice_name!r} worker_id={worker_id!r} in fleet "
+            f"{self.name!r}; its hosts are: " + ", ".join(p.key for p in self.hosts)
         )
+
+    def _host_selector(self, key: str) -> dict:
+        """``_procs.find``'s arguments for host ``key`` of this fleet (and no other's)."""
+        if not self.fleet_id:
+            raise FleetError(f"fleet {self.name!r} is not running (start() it, or take a "
+                             f"handle with LocalFleet.running({self.name!r}))")
+        return {"fleet_id": self.fleet_id, "sessions": self._host_sessions(key), "host": key}
 
     def _take_ports(self, n: int) -> list[int]:
         ports = free_ports(n, exclude=self._ports_used)
