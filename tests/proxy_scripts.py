@@ -102,3 +102,76 @@ except Exception as e:
 z = other(z)  # the session goes on
 print("OK", float(np.asarray(z).sum()), flush=True)
 """
+
+# One slice's 4 chips (a session of one 2x2 slice): 10 train steps.
+ONE_SLICE = """
+import json, os, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+if os.environ.get("JAX_PLATFORMS") == "proxy":
+    if "PATHWAYS_RAY_PROXY_TOKEN" in os.environ:  # a guarded server: present its token
+        from jax.extend import backend
+        from jax.extend.backend import ifrt_proxy
+
+        def client():
+            options = ifrt_proxy.ClientConnectionOptions()
+            options.connection_timeout_in_seconds = 120
+            options.initialization_data = {
+                "pathways_ray_token": os.environ["PATHWAYS_RAY_PROXY_TOKEN"].encode()}
+            return ifrt_proxy.get_client(jax.config.read("jax_backend_target"), options)
+
+        backend.register_backend_factory("proxy", client, priority=-1)
+    else:
+        import pathwaysutils
+        pathwaysutils.initialize()
+devices = jax.devices()
+mesh = Mesh(np.array(devices[:4]), ("data",))
+rng = np.random.default_rng(1)
+x = jax.device_put(rng.normal(size=(32, 8)).astype(np.float32), NamedSharding(mesh, P("data")))
+y = jax.device_put(rng.normal(size=(32, 2)).astype(np.float32), NamedSharding(mesh, P("data")))
+w = jax.device_put(rng.normal(size=(8, 2)).astype(np.float32) * 0.1, NamedSharding(mesh, P()))
+
+@jax.jit
+def step(w, x, y):
+    l, g = jax.value_and_grad(lambda w: jnp.mean((jnp.tanh(x @ w) - y) ** 2))(w)
+    return l, w - 0.2 * g
+"""
+
+TRAIN_ONE_SLICE = ONE_SLICE + """
+losses = []
+for i in range(10):
+    l, w = step(w, x, y)
+    losses.append(float(l))
+print("RESULT", json.dumps({"n": len(devices), "losses": losses}), flush=True)
+"""
+
+TOKEN_TRAIN = ONE_SLICE + """
+losses = []
+for i in range(5):
+    l, w = step(w, x, y)
+    losses.append(float(l))
+print("RESULT", json.dumps({"n": len(devices), "losses": losses}), flush=True)
+"""
+
+# A program holding a 64 MiB constant (JAX >= 0.11 hoists constants over
+# jax_embedded_constants_max_bytes into arguments; this keeps it in the program).
+BIG_PROGRAM = """
+import json, os
+import numpy as np
+import jax, jax.numpy as jnp
+from jax._src.interpreters import mlir
+if os.environ.get("JAX_PLATFORMS") == "proxy":
+    import pathwaysutils
+    pathwaysutils.initialize()
+try:
+    jax.config.update("jax_embedded_constants_max_bytes", 1 << 28)
+except Exception:  # an older JAX embeds every constant
+    pass
+big = (np.arange(1 << 24) % 1000).astype(np.float32)
+f = jax.jit(lambda s: (big * s).sum())
+low = f.lower(jnp.float32(2.0))
+size = len(mlir.module_to_bytecode(low.compiler_ir("stablehlo")))
+print("RESULT", json.dumps({"program_bytes": size, "sum": float(f(jnp.float32(2.0)))}),
+      flush=True)
+"""

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from pathways_ray.chips.executor import Executor
 from pathways_ray.chips.hlo import compile_hlo
 from pathways_ray.programs.hlo_program import HloProgram, HloSignature
-from pathways_ray.proxy.programs import module_signature
+from pathways_ray.proxy.program_parser import module_signature
 
 
 def _program(jitted, *avals, ranks=(0, 1, 2, 3)) -> HloProgram:

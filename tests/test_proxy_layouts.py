@@ -14,6 +14,7 @@ from pathways_ray.programs.hlo_program import HloProgram, HloSignature, is_hlo_b
 from pathways_ray.programs.hlo_sharding import layout_of
 from pathways_ray.programs.sharding import MeshShape, shard_slices
 from pathways_ray.proxy.devices import plan_devices
+from pathways_ray.proxy.errors import InvalidArgument
 from pathways_ray.proxy.host_buffers import HostBuffers
 from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
 from pathways_ray.proxy.types import (
@@ -81,9 +82,9 @@ def test_a_sharding_is_placed_on_one_slice_or_refused_naming_why():
     assert placed.slice_index == 1 and placed.device is None and placed.spec == (("d0",),)
     one = place(ProxySharding((6,)), 2, devices, [4, 4])
     assert one.slice_index == 1 and one.device == 6 and one.spec == ((), ())
-    with pytest.raises(ValueError, match=r"spans devices of slices \[0, 1\]"):
+    with pytest.raises(InvalidArgument, match=r"spans devices of slices \[0, 1\]"):
         place(ProxySharding((2, 3, 4, 5), op), 1, devices, [4, 4])
-    with pytest.raises(ValueError, match="device 9 is not one of this session's 8 devices"):
+    with pytest.raises(InvalidArgument, match="device 9 is not one of this session's 8 devices"):
         place(ProxySharding((9,)), 1, devices, [4, 4])
 
 

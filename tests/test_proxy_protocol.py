@@ -14,9 +14,10 @@ import pytest
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.proxy import versions
 from pathways_ray.proxy.devices import plan_devices
+from pathways_ray.proxy.errors import INVALID_ARGUMENT, NOT_FOUND, UNIMPLEMENTED
 from pathways_ray.proxy.init import init_response
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
-from pathways_ray.proxy.session import NOT_FOUND, UNIMPLEMENTED, Session
+from pathways_ray.proxy.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,7 +123,6 @@ def test_a_program_for_more_devices_than_the_session_has_is_refused_by_name():
     """A compile whose device assignment names 16 devices, in a session of 8: the
     error names the device and the session's range, before anything reaches a chip."""
     from pathways_ray.proxy.protos import xla_python_pjrt_ifrt_xla_compiler_pb2 as xc_pb2
-    from pathways_ray.proxy.session import INVALID_ARGUMENT
 
     client = _FakeClient()
     session = Session(3, 25, lambda: client)

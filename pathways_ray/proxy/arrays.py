@@ -25,6 +25,7 @@ from pathways_ray.client.arrays import Layout, RemoteArray
 from pathways_ray.programs.hlo_sharding import replicated
 from pathways_ray.programs.sharding import shard_slices
 from pathways_ray.proxy.devices import ProxyDevice
+from pathways_ray.proxy.errors import InvalidArgument, NotFound
 from pathways_ray.proxy.types import Placed, ProxySharding, place
 
 if TYPE_CHECKING:
@@ -69,14 +70,15 @@ class ArrayTable:
         self.slice_names = [s["name"] for s in slices]
         self.chips = [s["chips"] for s in slices]
         self._arrays: dict[int, ProxyArray | BaseException] = {}
+        self._deleted: set[int] = set()  # deleted (DeleteArray), not yet destructed
 
     def __len__(self) -> int:
         return len(self._arrays)
 
     # ---- the table -------------------------------------------------------------------
     def set(self, handle: int, value: ProxyArray | BaseException) -> None:
-        if handle in self._arrays:
-            raise ValueError(f"array handle {handle} is in use already")
+        if handle in self._arrays or handle in self._deleted:
+            raise InvalidArgument(f"array handle {handle} is in use already")
         self._arrays[handle] = value
 
     def get(self, handle: int) -> ProxyArray:
@@ -89,15 +91,35 @@ class ArrayTable:
         """The array, or the error that making it met."""
         value = self._arrays.get(handle)
         if value is None:
-            raise KeyError(f"unknown array handle {handle}: not an array of this session "
+            if handle in self._deleted:
+                raise NotFound(f"array handle {handle} was deleted")
+            raise NotFound(f"unknown array handle {handle}: not an array of this session "
                            f"(destructed, or another session's)")
         return value
 
+    def delete(self, handle: int) -> None:
+        """Free the array's buffers now; the handle stays known as deleted until the
+        client destructs it (``IsArrayDeleted``)."""
+        self.entry(handle)
+        del self._arrays[handle]
+        self._deleted.add(handle)
+
+    def is_deleted(self, handle: int) -> bool:
+        if handle in self._deleted:
+            return True
+        self.entry(handle)  # NotFound for a handle this session never had
+        return False
+
     def pop(self, handle: int) -> bool:
+        """Forget a handle (``DestructArray``); whether it was the session's."""
+        if handle in self._deleted:
+            self._deleted.discard(handle)
+            return True
         return self._arrays.pop(handle, None) is not None
 
     def clear(self) -> None:
         self._arrays.clear()
+        self._deleted.clear()
 
     def place(self, sharding: ProxySharding, ndim: int) -> Placed:
         return place(sharding, ndim, self.devices, self.chips)
@@ -120,12 +142,21 @@ class ArrayTable:
     def assemble(self, parts: list[ProxyArray], shape: tuple[int, ...], dtype: np.dtype,
                  sharding: ProxySharding) -> ProxyArray:
         """One array of ``parts`` (the shard on each of ``sharding``'s devices)."""
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(f"an array of shape {list(shape)}: a dimension is negative")
         placed = self.place(sharding, len(shape))
         if len(parts) != len(sharding.device_ids):
-            raise ValueError(f"{len(parts)} single-device arrays for a sharding over "
-                             f"{len(sharding.device_ids)} devices")
+            raise InvalidArgument(f"{len(parts)} single-device arrays for a sharding over "
+                                  f"{len(sharding.device_ids)} devices")
         arr = ProxyArray(tuple(shape), np.dtype(dtype), placed, sharding.device_ids,
                          sharding.op)
+        blocks = arr.blocks(self.devices)
+        for i, (index, part) in enumerate(zip(blocks, parts, strict=True)):
+            want = tuple(s.stop - s.start for s in index)
+            if tuple(part.shape) != want or part.dtype != arr.dtype:
+                raise InvalidArgument(
+                    f"single-device array {i} is {part.dtype} {list(part.shape)}; the "
+                    f"{arr.dtype} {list(shape)} array's shard there is {list(want)}")
         parents = {id(p.parent) for p in parts}
         first = parts[0].parent
         if (len(parents) == 1 and first is not None and first.placed == placed
@@ -138,7 +169,7 @@ class ArrayTable:
                 arr.host = self.to_host(parts[0])
             return arr
         full = np.empty(shape, dtype)
-        for index, part in zip(arr.blocks(self.devices), parts, strict=True):
+        for index, part in zip(blocks, parts, strict=True):
             full[index] = self.to_host(part)
         arr.remote = self._put(full, placed)
         return arr
@@ -163,7 +194,7 @@ class ArrayTable:
         if arr.single:
             return replace(arr)
         if not self._replicated(arr):
-            raise ValueError("fully_replicated_shard of an array that is not replicated")
+            raise InvalidArgument("fully_replicated_shard of an array that is not replicated")
         one = ProxyArray(arr.shape, arr.dtype,
                          self._one(arr.placed.slice_index, len(arr.shape), arr.device_ids[0]),
                          arr.device_ids[:1])
@@ -192,7 +223,7 @@ class ArrayTable:
     def on_chips(self, arr: ProxyArray, slice_index: int) -> RemoteArray:
         """``arr`` on the chips of slice ``slice_index``, as a program there reads it."""
         if arr.placed.slice_index != slice_index:
-            raise ValueError(
+            raise InvalidArgument(
                 f"an argument is on slice {self.slice_names[arr.placed.slice_index]}, the "
                 f"program runs on {self.slice_names[slice_index]}: device_put it there first")
         if arr.remote is not None:
@@ -207,7 +238,7 @@ class ArrayTable:
     def copy(self, arr: ProxyArray, device_ids: tuple[int, ...]) -> ProxyArray:
         """``arr`` with the same sharding on other devices (another slice: chip to chip)."""
         if len(device_ids) != len(arr.device_ids):
-            raise ValueError(f"copying an array on {len(arr.device_ids)} devices to "
+            raise InvalidArgument(f"copying an array on {len(arr.device_ids)} devices to "
                              f"{len(device_ids)} devices")
         return self.reshard(arr, ProxySharding(tuple(device_ids), arr.op))
 

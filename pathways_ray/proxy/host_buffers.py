@@ -1,17 +1,79 @@
 """A session's host buffers: the bytes of ``device_put`` on their way in, and of
 ``np.asarray`` on their way out (the protocol's ``HostBufferStore``/``Lookup``/
-``Delete`` calls, beside the session's stream). Pure: threads only.
+``Delete`` calls, beside the session's stream). Pure: threads and numpy.
 
 A request that names a buffer may arrive before the buffer does (they travel on
 different calls), so a lookup waits for it, up to a timeout that its error names.
+
+``host_array`` reads an array out of a buffer within the buffer's bytes only: the
+shape, dtype and byte strides a request gives must describe exactly the bytes
+stored, as IFRT's own ``ArrayMemRegion::FromMinimalMemRegion`` requires (positive
+strides, multiples of the element size, the region minimal); anything else is an
+``InvalidArgument`` naming the values, and nothing outside the buffer is read.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
-__all__ = ["HostBuffers"]
+import numpy as np
+
+from pathways_ray.proxy.errors import InvalidArgument, Unimplemented
+
+__all__ = ["HostBuffers", "host_array"]
+
+MAX_ELEMENTS = 1 << 40  # no array of more elements than this exists on a host
+
+
+def host_array(data: bytes, dtype: np.dtype, shape: Sequence[int],
+               byte_strides: Sequence[int] | None = None) -> np.ndarray:
+    """The array of ``shape`` and ``dtype`` that ``data`` holds (laid out with
+    ``byte_strides``, else dense row-major), a copy; ``InvalidArgument`` unless
+    ``data`` is exactly the array's minimal memory region."""
+    dtype, shape = np.dtype(dtype), tuple(int(d) for d in shape)
+    what = f"shape {list(shape)} {dtype.name}"
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{what}: a dimension is negative")
+    n = 1
+    for d in shape:
+        n *= d
+        if n > MAX_ELEMENTS:
+            raise InvalidArgument(f"{what}: more than {MAX_ELEMENTS} elements")
+    size = dtype.itemsize
+    if byte_strides is None or (not byte_strides and not shape):
+        need = n * size
+        if len(data) != need:
+            raise InvalidArgument(f"{what} needs {need} bytes; the host buffer has "
+                                  f"{len(data)}")
+        return np.frombuffer(data, dtype, count=n).reshape(shape).copy()
+    strides = tuple(int(s) for s in byte_strides)
+    if len(strides) != len(shape):
+        raise InvalidArgument(f"{what} has {len(shape)} dimensions, byte_strides "
+                              f"{list(strides)} has {len(strides)}")
+    if n == 0:
+        return np.zeros(shape, dtype)
+    last = 0  # the byte offset of the last element
+    for i, (d, s) in enumerate(zip(shape, strides, strict=True)):
+        if d == 1:
+            continue  # its stride is never used
+        if s <= 0:
+            raise Unimplemented(f"{what}: byte_strides {list(strides)} has a negative or "
+                                f"zero stride (dimension {i}); only positive strides are "
+                                f"served, as by IFRT's own proxy server")
+        if s % size:
+            raise InvalidArgument(f"{what}: byte_strides[{i}]={s} is not a multiple of the "
+                                  f"element size {size}")
+        last += s * (d - 1)
+    if last + size != len(data):
+        raise InvalidArgument(f"{what} with byte_strides {list(strides)} spans {last + size} "
+                              f"bytes; the host buffer has {len(data)}")
+    view = np.lib.stride_tricks.as_strided(
+        np.frombuffer(data, dtype), shape,
+        tuple(s if d != 1 else size for d, s in zip(shape, strides, strict=True)),
+        writeable=False)
+    return np.ascontiguousarray(view)
 
 
 class HostBuffers:

@@ -15,12 +15,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from pathways_ray.errors import SliceLost
 from pathways_ray.programs.hlo_program import HloProgram, HloSignature
 from pathways_ray.programs.program import ArgSignature, Program
 from pathways_ray.programs.sharding import MeshShape
 from pathways_ray.proxy.arrays import ProxyArray
+from pathways_ray.proxy.errors import InvalidArgument, Unimplemented
+from pathways_ray.proxy.program_parser import ProgramParser
 from pathways_ray.proxy.protos import xla_python_pjrt_ifrt_xla_compiler_pb2 as xla_compiler_pb2
 from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
 from pathways_ray.proxy.types import Placed
@@ -28,46 +31,9 @@ from pathways_ray.proxy.types import Placed
 if TYPE_CHECKING:
     from pathways_ray.proxy.arrays import ArrayTable
 
-__all__ = ["Executable", "compile_program", "execute", "module_signature"]
+__all__ = ["Executable", "compile_program", "execute"]
 
 logger = logging.getLogger(__name__)
-
-
-def module_signature(module: bytes) -> tuple[str, list[tuple[tuple[int, ...], str]]]:
-    """The module's name and its ``main``'s results ``(shape, dtype)``: a StableHLO
-    portable artifact (what JAX's proxy client sends) or MLIR bytecode."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib import xla_client as xc
-    from jax._src.lib.mlir import ir
-
-    with mlir.make_ir_context():
-        try:
-            parsed = xc._xla.mlir.deserialize_portable_artifact(module)
-        except Exception:  # noqa: BLE001 - not an artifact: plain bytecode or text
-            parsed = ir.Module.parse(module)
-        name = "program"
-        if "sym_name" in parsed.operation.attributes:
-            name = ir.StringAttr(parsed.operation.attributes["sym_name"]).value
-        for op in parsed.body.operations:
-            if ("sym_name" in op.attributes
-                    and ir.StringAttr(op.attributes["sym_name"]).value == "main"):
-                ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
-                outs = []
-                for t in ftype.results:
-                    rt = ir.RankedTensorType(t)
-                    outs.append((tuple(rt.shape), _dtype_name(str(rt.element_type))))
-                return name, outs
-    raise ValueError("the program has no main function")
-
-
-def _dtype_name(mlir_type: str) -> str:
-    table = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16",
-             "i1": "bool", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64",
-             "ui8": "uint8", "ui16": "uint16", "ui32": "uint32", "ui64": "uint64",
-             "complex<f32>": "complex64", "complex<f64>": "complex128"}
-    if mlir_type not in table:
-        raise ValueError(f"a result of element type {mlir_type} is not served")
-    return table[mlir_type]
 
 
 @dataclass
@@ -86,27 +52,35 @@ class Executable:
         return not self.hlo.ranks
 
 
-def compile_program(table: ArrayTable, program_bytes: bytes, options_bytes: bytes,
-                    timeout_s: float | None = None) -> Executable:
+def compile_program(table: ArrayTable, parser: ProgramParser, program_bytes: bytes,
+                    options_bytes: bytes, timeout_s: float | None = None) -> Executable:
     """Compile on the chips of the slice the program's devices are; returns once
-    every chip has (raises what the compile met: the user's error, a lost slice)."""
-    options = xla_compiler_pb2.XlaCompileOptionsProto.FromString(options_bytes).compile_options
+    every chip has (raises what the compile met: the user's error, a lost slice).
+    ``parser`` reads the client's bytes out of this process."""
+    try:
+        options = xla_compiler_pb2.XlaCompileOptionsProto.FromString(
+            options_bytes).compile_options
+    except DecodeError as e:
+        raise InvalidArgument(f"the compile options do not parse: {e}") from None
     build = options.executable_build_options
     assignment = build.device_assignment
     if assignment.replica_count > 1:
-        raise ValueError(f"a program over {assignment.replica_count} replicas (pmap) is not "
-                         f"served: use jax.jit with shardings")
+        raise Unimplemented(f"a program over {assignment.replica_count} replicas (pmap) is "
+                            f"not served: use jax.jit with shardings")
+    if any(len(c.replica_device_ids) != 1 for c in assignment.computation_devices):
+        raise InvalidArgument("the device assignment names no device, or several, for a "
+                              "computation of one replica")
     device_ids = tuple(c.replica_device_ids[0] for c in assignment.computation_devices)
     if not device_ids:
         device_ids = (0,)
     devices = table.devices
     for d in device_ids:
         if not 0 <= d < len(devices):
-            raise ValueError(f"the program is for device {d}; this session has "
-                             f"{len(devices)} devices (0..{len(devices) - 1})")
+            raise InvalidArgument(f"the program is for device {d}; this session has "
+                                  f"{len(devices)} devices (0..{len(devices) - 1})")
     slices = sorted({devices[d].slice_index for d in device_ids})
     if len(slices) > 1:
-        raise ValueError(
+        raise InvalidArgument(
             f"the program spans devices of slices "
             f"{[table.slice_names[s] for s in slices]}: a program runs on one slice here "
             f"(meshes across slices are not served yet); put each program's arrays on one "
@@ -114,10 +88,10 @@ def compile_program(table: ArrayTable, program_bytes: bytes, options_bytes: byte
     s = slices[0]
     ranks = tuple(devices[d].rank for d in device_ids) if len(device_ids) > 1 else ()
     if ranks and sorted(ranks) != list(range(table.chips[s])):
-        raise ValueError(f"the program runs on {len(ranks)} of the {table.chips[s]} chips of "
-                         f"slice {table.slice_names[s]}: a program here runs on one device or "
-                         f"on all chips of a slice")
-    name, out_shapes = module_signature(program_bytes)
+        raise InvalidArgument(f"the program runs on {len(ranks)} of the {table.chips[s]} chips "
+                              f"of slice {table.slice_names[s]}: a program here runs on one "
+                              f"device or on all chips of a slice")
+    name, out_shapes = parser.signature(program_bytes)
     hlo = HloProgram(name, program_bytes, options.SerializeToString(), ranks, tuple(out_shapes))
     chips = table.chips[s]
     program = Program(hlo.fingerprint, name, MeshShape(("chips",), (chips,)), (), (), (),

@@ -18,34 +18,37 @@ import itertools
 import logging
 import re
 import threading
-import traceback
 from collections.abc import Callable
 from concurrent import futures
 
 import numpy as np
 
 from pathways_ray.clusters.topology import Topology
-from pathways_ray.errors import PathwaysError, RemoteError, SliceLost
+from pathways_ray.errors import PathwaysError, SliceLost
 from pathways_ray.proxy import programs
 from pathways_ray.proxy.arrays import ArrayTable, ProxyArray
 from pathways_ray.proxy.devices import ProxyDevice, plan_devices
-from pathways_ray.proxy.host_buffers import HostBuffers
-from pathways_ray.proxy.init import init_response
-from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
-from pathways_ray.proxy.session_programs import (
+from pathways_ray.proxy.errors import (
     DATA_LOSS,
-    DEADLINE_EXCEEDED,
     INTERNAL,
-    INVALID_ARGUMENT,
-    NOT_FOUND,
-    UNAUTHENTICATED,
-    UNAVAILABLE,
-    UNIMPLEMENTED,
-    ProgramRequests,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ProxyStatus,
+    Status,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+    status_of,
 )
+from pathways_ray.proxy.host_buffers import HostBuffers, host_array
+from pathways_ray.proxy.init import init_response
+from pathways_ray.proxy.program_parser import ProgramParser
+from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
+from pathways_ray.proxy.session_programs import ProgramRequests
 from pathways_ray.proxy.types import dtype_of, parse_sharding
 
-__all__ = ["Session", "status_of"]
+__all__ = ["Session"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,71 +57,80 @@ WAITS = {"check_value_ready_request", "check_future_request", "copy_to_host_buff
          "loaded_executable_fetch_execute_result_request"}
 
 
+def _pairs(a, b, what: str) -> zip:
+    """``zip(a, b)`` of two lists the client gave, which must be as long as each other."""
+    a, b = list(a), list(b)
+    if len(a) != len(b):
+        raise InvalidArgument(f"{what}: {len(a)} and {len(b)} are not the same number")
+    return zip(a, b, strict=True)
+
+
 def _natural(name: str) -> tuple:
     """Slice names in their numbers' order: v6e-2x2-2 before v6e-2x2-10."""
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def status_of(e: BaseException) -> tuple[int, str]:
-    """The status a client sees for ``e``: a lost slice is ``DATA_LOSS`` (the word
-    pathwaysutils.elastic looks for), the user's program an error with its message."""
-    if isinstance(e, SliceLost):
-        return DATA_LOSS, str(e)  # the client names the code: "DATA_LOSS: slice ..."
-    if isinstance(e, RemoteError):
-        return INTERNAL, str(e)
-    if isinstance(e, PathwaysError):
-        return UNAVAILABLE, str(e)
-    if isinstance(e, KeyError):
-        return NOT_FOUND, str(e.args[0]) if e.args else str(e)
-    if isinstance(e, (ValueError, TypeError)):
-        return INVALID_ARGUMENT, str(e)
-    if isinstance(e, TimeoutError):
-        return DEADLINE_EXCEEDED, str(e)
-    if isinstance(e, NotImplementedError):
-        return UNIMPLEMENTED, str(e)
-    if isinstance(e, PermissionError):
-        return UNAUTHENTICATED, str(e)
-    return INTERNAL, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
-
-
 class Session(ProgramRequests):
+    """One client's world. ``id`` is the secret the host-buffer calls name the session
+    by (never logged); ``number`` is how logs and thread names call it."""
+
+    _numbers = itertools.count(1)
+
     def __init__(self, session_id: int, version: int, connect: Callable[[], object],
-                 fetch_timeout_s: float | None = None, refused: str | None = None):
+                 fetch_timeout_s: float | None = None, refused: str | None = None,
+                 parser: ProgramParser | None = None, host_buffer_timeout_s: float = 300.0):
         self.id = session_id
+        # Reads the client's programs out of this process (a server shares one).
+        self._own_parser = parser is None
+        self.parser = parser or ProgramParser()
+        self.number = next(Session._numbers)
         self.refused = refused  # why every request is answered UNAUTHENTICATED
         self.version = version
         self._connect = connect
         self.client = None
         self.devices: list[ProxyDevice] = []
-        self.host_buffers = HostBuffers()
+        self.host_buffers = HostBuffers(host_buffer_timeout_s)
         self.arrays: ArrayTable | None = None
         self.executables: dict[int, programs.Executable] = {}
         self._futures: dict[int, Callable[[], None]] = {}
         self._handles = itertools.count(SERVER_HANDLES)
-        self._closing = threading.Lock()
+        self._closed = False
+        self._closing = threading.Lock()  # one close() at a time
+        self._init_lock = threading.Lock()  # held while InitRequest connects the client
         self._waits = futures.ThreadPoolExecutor(
-            4, thread_name_prefix=f"proxy-session-{session_id}")
+            4, thread_name_prefix=f"proxy-session-{self.number}")
         self._timeout_s = fetch_timeout_s
         # Bytes that passed through the proxy: from the client's host buffers, back to
         # it, and between this process and the chips (the session's Client's counters).
+        self._counts_lock = threading.Lock()
         self.counters = {"host_bytes_in": 0, "host_bytes_out": 0, "put_bytes": 0,
                          "fetched_bytes": 0}
 
+    def count(self, key: str, n: int) -> None:
+        with self._counts_lock:
+            self.counters[key] += n
+
     def stats(self) -> dict[str, int]:
-        if self.client is not None:
-            self.counters.update({k: self.client.counters[k]
-                                  for k in ("put_bytes", "fetched_bytes")})
-        return dict(self.counters)
+        client = self.client  # close() may clear it meanwhile
+        with self._counts_lock:
+            if client is not None:
+                self.counters.update({k: client.counters[k]
+                                      for k in ("put_bytes", "fetched_bytes")})
+            return dict(self.counters)
 
     # ---- requests --------------------------------------------------------------------
     def submit(self, request: ifrt_pb2.IfrtRequest, respond: Callable) -> futures.Future | None:
         """Handle ``request``: at once, or (a wait) on the session's threads; either way
         ``respond(response)`` is called once."""
         kind = request.WhichOneof("request")
+        prepared = None
         if kind in WAITS and self.arrays is not None:
             prepared = self._prepare_wait(request, kind)
-            return self._waits.submit(lambda: respond(self._run(request, kind, prepared)))
-        respond(self._run(request, kind))
+            try:
+                return self._waits.submit(lambda: respond(self._run(request, kind, prepared)))
+            except RuntimeError:  # the session closed meanwhile: answered at once
+                prepared = FailedPrecondition("the session is closed")
+        respond(self._run(request, kind, prepared))
         return None
 
     def handle(self, request: ifrt_pb2.IfrtRequest) -> ifrt_pb2.IfrtResponse:
@@ -140,7 +152,7 @@ class Session(ProgramRequests):
                       else request.loaded_executable_fetch_execute_result_request
                       .result_status_handle)
             if handle not in self._futures:
-                raise KeyError(f"unknown future handle {handle}")
+                raise NotFound(f"unknown future handle {handle}")
             return self._futures.pop(handle)
         except BaseException as e:  # noqa: BLE001 - answered as the request's error
             return e
@@ -149,26 +161,32 @@ class Session(ProgramRequests):
         response = ifrt_pb2.IfrtResponse()
         response.response_metadata.op_id = request.request_metadata.op_id
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("session %d <- %s", self.id, str(request).replace("\n", " ")[:300])
+            logger.debug("session %d <- %s", self.number, kind)
         try:
             if self.refused is not None:
-                raise PermissionError(self.refused)
+                raise Unauthenticated(self.refused)
             if isinstance(prepared, BaseException):
                 raise prepared
+            if kind is None:
+                raise InvalidArgument("a request of no kind this server knows (an empty "
+                                      "IfrtRequest, or one from a newer protocol)")
             if kind != "init_request" and self.arrays is None:
-                raise ValueError(f"{kind} before the session's InitRequest")
-            handler = getattr(self, "_" + (kind or "none").removesuffix("_request"), None)
+                raise FailedPrecondition(f"{kind} before the session's InitRequest")
+            handler = getattr(self, "_" + kind.removesuffix("_request"), None)
             if handler is None:
-                raise NotImplementedError(f"pathways-ray's IFRT proxy does not serve {kind}")
+                raise Unimplemented(f"pathways-ray's IFRT proxy does not serve {kind}")
             if prepared is not None:
                 handler(getattr(request, kind), response, prepared)
             else:
                 handler(getattr(request, kind), response)
         except BaseException as e:  # noqa: BLE001 - the client must get the error, not a cut
-            code, message = status_of(e)
+            code, message = status_of(e, kind or "a request")
             log = logger.warning if code in (INTERNAL, DATA_LOSS) else logger.info
-            log("session %d: %s failed: %s", self.id, kind, message.splitlines()[0])
-            self._fail_handles(request, kind, e)
+            log("session %d: %s failed: %s", self.number, kind, message.splitlines()[0])
+            # Its results hold the error: a lost slice as it is, anything else as the
+            # status decided now (an internal error is one incident, however often read).
+            self._fail_handles(request, kind, e if isinstance(e, (ProxyStatus, SliceLost))
+                               else Status(code, message))
             response.ClearField("response")
             response.response_metadata.status.code = code
             response.response_metadata.status.message = message
@@ -189,7 +207,7 @@ class Session(ProgramRequests):
                     if h:
                         try:
                             self.arrays.set(h, e)
-                        except ValueError:
+                        except InvalidArgument:  # in use: it keeps its array
                             pass
 
     def _new(self, handle: int, arr: ProxyArray) -> int:
@@ -199,40 +217,57 @@ class Session(ProgramRequests):
 
     # ---- session ---------------------------------------------------------------------
     def _init(self, req, response) -> None:
-        if self.client is None:
-            self.client = self._connect()
-            slices = sorted(({**d, "topology": Topology.of(d["topology"])}
-                             for d in self.client.describe()), key=lambda d: _natural(d["name"]))
-            self.devices = plan_devices(slices)
-            self.arrays = ArrayTable(self.client, self.devices, slices)
-            logger.info("session %d: %d devices on %s", self.id, len(self.devices),
-                        ", ".join(d["name"] for d in slices))
+        with self._init_lock:  # close() waits for a client being connected, then closes it
+            if self._closed:
+                raise FailedPrecondition("the session closed before it was initialized")
+            if self.client is None:
+                try:
+                    self.client = self._connect()
+                except (ProxyStatus, PathwaysError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - the platform says why it cannot
+                    raise Unavailable(f"the session's slices could not be had: {e}") from e
+                slices = sorted(({**d, "topology": Topology.of(d["topology"])}
+                                 for d in self.client.describe()),
+                                key=lambda d: _natural(d["name"]))
+                self.devices = plan_devices(slices)
+                self.arrays = ArrayTable(self.client, self.devices, slices)
+                logger.info("session %d: %d devices on %s", self.number, len(self.devices),
+                            ", ".join(d["name"] for d in slices))
         response.init_response.CopyFrom(init_response(self.id, self.devices))
 
     def close(self) -> None:
         """Close the session's client (its controller, its slices); idempotent, and a
-        second caller waits until the first has finished."""
+        second caller waits until the first has finished. A client still being
+        connected by ``InitRequest`` is waited for and closed too: nothing it reserved
+        outlives the session."""
         with self._closing:
+            self._closed = True
+            if self._own_parser:
+                self.parser.close()
             self.host_buffers.close()
             self._waits.shutdown(wait=False, cancel_futures=True)
-            if self.arrays is not None:
-                self.arrays.clear()
-            self.executables.clear()
-            if self.client is not None:
-                self.stats()  # the last counts, kept past the client
-                try:
-                    self.client.close()
-                finally:
-                    self.client = None
+            with self._init_lock:
+                if self.arrays is not None:
+                    self.arrays.clear()
+                self.executables.clear()
+                if self.client is not None:
+                    self.stats()  # the last counts, kept past the client
+                    try:
+                        self.client.close()
+                    finally:
+                        self.client = None
 
     # ---- arrays ----------------------------------------------------------------------
     def _host_array(self, handle: int, dtype_proto, shape_proto, strides) -> np.ndarray:
+        """The array a host buffer holds, read within the buffer's bytes only."""
         dtype, shape = dtype_of(dtype_proto), tuple(shape_proto.dims)
-        data = self.host_buffers.take(handle)
-        if strides is not None and list(strides.strides):
-            return np.lib.stride_tricks.as_strided(np.frombuffer(data, dtype), shape,
-                                                   tuple(strides.strides)).copy()
-        return np.frombuffer(data, dtype, count=int(np.prod(shape))).reshape(shape)
+        try:
+            data = self.host_buffers.take(handle)
+        except TimeoutError as e:
+            raise NotFound(str(e)) from None
+        given = list(strides.strides) if strides is not None else []
+        return host_array(data, dtype, shape, given or None)  # none given: dense
 
     def _make_array_from_host_buffer(self, req, response) -> None:
         data = self._host_array(req.host_buffer_handle, req.dtype, req.shape,
@@ -244,22 +279,32 @@ class Session(ProgramRequests):
     def _make_arrays_from_host_buffer_shards(self, req, response) -> None:
         out = response.make_arrays_from_host_buffer_shards_response
         handles = list(req.array_handles) or [0] * len(req.specs)
-        for spec, handle in zip(req.specs, handles, strict=True):
+        for spec, handle in _pairs(req.specs, handles, "specs and array handles"):
             sharding = parse_sharding(spec.array_spec.sharding)
             shape, dtype = tuple(spec.array_spec.shape.dims), dtype_of(spec.array_spec.dtype)
             parts: dict[int, np.ndarray] = {}
-            for indices, hb in zip(spec.addressable_shard_indices, spec.host_buffers, strict=True):
+            for indices, hb in _pairs(spec.addressable_shard_indices, spec.host_buffers,
+                                      "shard index lists and host buffers"):
                 data = self._host_array(hb.host_buffer_handle, hb.dtype, hb.shape,
                                         hb.byte_strides if hb.HasField("byte_strides") else None)
                 for i in indices.indices:
+                    if not 0 <= i < len(sharding.device_ids):
+                        raise InvalidArgument(f"shard index {i} of a sharding over "
+                                              f"{len(sharding.device_ids)} devices")
                     parts[i] = data
-            one = [ProxyArray(parts[i].shape, dtype, None, (d,), host=parts[i])
+            missing = [i for i in range(len(sharding.device_ids)) if i not in parts]
+            if missing:
+                raise InvalidArgument(f"no host buffer for the shards {missing[:8]} of a "
+                                      f"sharding over {len(sharding.device_ids)} devices")
+            one = [ProxyArray(parts[i].shape, parts[i].dtype, None, (d,), host=parts[i])
                    for i, d in enumerate(sharding.device_ids)]
             arr = self.arrays.assemble(one, shape, dtype, sharding)
             out.array_handles.append(self._new(handle, arr))
 
     def _assemble_array_from_single_device_arrays(self, req, response) -> None:
         parts = [self.arrays.get(h) for h in req.single_device_array_handles]
+        if not parts:
+            raise InvalidArgument("an array assembled from no single-device arrays")
         arr = self.arrays.assemble(parts, tuple(req.shape.dims), dtype_of(req.dtype)
                                    if req.HasField("dtype") else parts[0].dtype,
                                    parse_sharding(req.sharding))
@@ -270,7 +315,7 @@ class Session(ProgramRequests):
         parts = self.arrays.disassemble(self.arrays.get(req.array_handle))
         handles = list(req.result_handles) or [0] * len(parts)
         response.disassemble_into_single_device_arrays_response.array_handles.extend(
-            self._new(h, p) for h, p in zip(handles, parts, strict=True))
+            self._new(h, p) for h, p in _pairs(handles, parts, "result handles and shards"))
 
     def _fully_replicated_shard(self, req, response) -> None:
         one = self.arrays.fully_replicated_shard(self.arrays.get(req.array_handle))
@@ -282,20 +327,23 @@ class Session(ProgramRequests):
         out = [self.arrays.copy(a, tuple(req.device_ids)) if req.device_ids else a
                for a in arrays]
         response.copy_arrays_response.array_handles.extend(
-            self._new(h, a) for h, a in zip(handles, out, strict=True))
+            self._new(h, a) for h, a in _pairs(handles, out, "result handles and arrays"))
 
     def _reshard_arrays(self, req, response) -> None:
         arrays = [self.arrays.get(h) for h in req.array_handles]
         handles = list(req.result_handles) or [0] * len(arrays)
         out = [self.arrays.reshard(a, parse_sharding(spec.sharding))
-               for a, spec in zip(arrays, req.array_specs, strict=True)]
+               for a, spec in _pairs(arrays, req.array_specs, "arrays and array specs")]
         response.reshard_arrays_response.array_handles.extend(
-            self._new(h, a) for h, a in zip(handles, out, strict=True))
+            self._new(h, a) for h, a in _pairs(handles, out, "result handles and arrays"))
 
     def _copy_to_host_buffer(self, req, response, arr: ProxyArray) -> None:
         data = np.ascontiguousarray(self.arrays.to_host(arr, self._timeout_s)).tobytes()
-        self.host_buffers.store(req.host_buffer_handle, data)
-        self.counters["host_bytes_out"] += len(data)
+        try:
+            self.host_buffers.store(req.host_buffer_handle, data)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        self.count("host_bytes_out", len(data))
         response.copy_to_host_buffer_response.SetInParent()
 
     def _check_value_ready(self, req, response, arrays: list[ProxyArray]) -> None:
@@ -304,27 +352,20 @@ class Session(ProgramRequests):
 
     def _delete_array(self, req, response) -> None:
         for h in req.array_handle:
-            self.arrays.get(h)
-            self.arrays.pop(h)
-            self.arrays.set(h, KeyError(f"array handle {h} was deleted"))
+            self.arrays.entry(h)  # NotFound before any is deleted
+        for h in req.array_handle:
+            self.arrays.delete(h)
         handle = next(self._handles)
         self._futures[handle] = lambda: None
         response.delete_array_response.deletion_future_handle = handle
 
     def _is_array_deleted(self, req, response) -> None:
-        try:
-            self.arrays.get(req.array_handle)
-            deleted = False
-        except KeyError as e:
-            if "was deleted" not in str(e):
-                raise
-            deleted = True
-        response.is_array_deleted_response.deleted = deleted
+        response.is_array_deleted_response.deleted = self.arrays.is_deleted(req.array_handle)
 
     def _destruct_array(self, req, response) -> None:
         missing = [h for h in req.array_handle if not self.arrays.pop(h)]
         if missing:
-            raise KeyError(f"unknown array handles {missing}")
+            raise NotFound(f"unknown array handles {missing}")
         response.destruct_array_response.SetInParent()
 
     def _check_future(self, req, response, wait: Callable[[], None]) -> None:

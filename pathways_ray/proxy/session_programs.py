@@ -6,16 +6,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from pathways_ray.errors import SliceLost
 from pathways_ray.proxy import programs
 from pathways_ray.proxy.arrays import ProxyArray
+from pathways_ray.proxy.errors import (
+    DATA_LOSS,
+    UNIMPLEMENTED,
+    InvalidArgument,
+    NotFound,
+    Unimplemented,
+)
+from pathways_ray.proxy.host_buffers import MAX_ELEMENTS
 from pathways_ray.proxy.types import dtype_of
 
 __all__ = ["ProgramRequests"]
-
-# tensorflow.error.Code
-(INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, FAILED_PRECONDITION, UNIMPLEMENTED, INTERNAL,
- UNAVAILABLE, DATA_LOSS, UNAUTHENTICATED) = 3, 4, 5, 9, 12, 13, 14, 15, 16
 
 
 def _raiser(e: BaseException) -> Callable[[], None]:
@@ -30,9 +36,10 @@ class ProgramRequests:
 
     def _compile(self, req, response) -> None:
         if req.host_callbacks:
-            raise NotImplementedError("programs with host callbacks (jax.debug.print, "
+            raise Unimplemented("programs with host callbacks (jax.debug.print, "
                                       "pure_callback) are not served by the pathways-ray proxy")
-        exe = programs.compile_program(self.arrays, req.program.data, req.compile_options.data,
+        exe = programs.compile_program(self.arrays, self.parser, req.program.data,
+                                       req.compile_options.data,
                                        self._timeout_s)
         handle = next(self._handles)
         self.executables[handle] = exe
@@ -49,7 +56,7 @@ class ProgramRequests:
 
     def _executable(self, handle: int) -> programs.Executable:
         if handle not in self.executables:
-            raise KeyError(f"unknown loaded executable handle {handle}")
+            raise NotFound(f"unknown loaded executable handle {handle}")
         return self.executables[handle]
 
     def _loaded_executable_metadata(self, req, response) -> None:
@@ -78,6 +85,10 @@ class ProgramRequests:
         hold ``DATA_LOSS`` (as its status does), raised where the client reads them."""
         exe = self._executable(req.loaded_executable_handle)
         args = [self.arrays.entry(h) for h in req.args_handles]
+        n_out = len(exe.hlo.out_shapes)
+        if req.result_array_handle and len(req.result_array_handle) != n_out:
+            raise InvalidArgument(f"{len(req.result_array_handle)} result handles for a "
+                                  f"program of {n_out} results")
         failed = next((a for a in args if isinstance(a, BaseException)), None)
         try:
             if failed is not None:  # an input's error is its results' (as IFRT's futures)
@@ -125,10 +136,15 @@ class ProgramRequests:
         """The layout JAX's CPU devices give an array by default (the emulated chips are
         JAX CPU devices); TPU layouts are the chips' own and not reported here."""
         if not 0 <= req.device_id < len(self.devices):
-            raise ValueError(f"device {req.device_id} is not one of this session's devices")
+            raise InvalidArgument(f"device {req.device_id} is not one of this session's "
+                                  f"{len(self.devices)} devices")
         if self.devices[req.device_id].platform != "cpu":
-            raise NotImplementedError("default layouts of TPU devices are not reported by "
-                                      "the pathways-ray proxy")
+            raise Unimplemented("default layouts of TPU devices are not reported by the "
+                                "pathways-ray proxy")
+        if (any(not 0 <= d <= MAX_ELEMENTS for d in req.dims) or len(req.dims) > 64
+                or int(np.prod([float(d) for d in req.dims])) > MAX_ELEMENTS):
+            raise InvalidArgument(f"a default layout of shape {list(req.dims)[:8]}: a "
+                                  f"dimension is negative, or the shape too large")
         import jax
 
         cpu = jax.devices("cpu")[0]
@@ -137,9 +153,9 @@ class ProgramRequests:
 
     def _get_default_device_assignment(self, req, response) -> None:
         n = req.num_replicas * req.num_partitions
-        if n > len(self.devices):
-            raise ValueError(f"{req.num_replicas} replicas x {req.num_partitions} partitions "
-                             f"need {n} devices; this session has {len(self.devices)}")
+        if req.num_replicas < 1 or req.num_partitions < 1 or n > len(self.devices):
+            raise InvalidArgument(f"{req.num_replicas} replicas x {req.num_partitions} "
+                                  f"partitions: this session has {len(self.devices)} devices")
         out = response.get_default_device_assignment_response.device_assignment
         out.replica_count, out.computation_count = req.num_replicas, req.num_partitions
         for p in range(req.num_partitions):

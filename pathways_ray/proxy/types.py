@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from pathways_ray.programs.hlo_sharding import MAXIMAL, REPLICATED, layout_of, replicated
 from pathways_ray.programs.hlo_sharding import sharding_kind as _kind
 from pathways_ray.programs.sharding import MeshShape, Spec
 from pathways_ray.proxy.devices import ProxyDevice
+from pathways_ray.proxy.errors import InvalidArgument, Unimplemented
 from pathways_ray.proxy.protos import xla_python_ifrt_dtype_pb2 as dtype_pb2
 from pathways_ray.proxy.protos import xla_python_ifrt_sharding_pb2 as sharding_pb2
 from pathways_ray.proxy.protos import xla_python_ifrt_sharding_serdes_pb2 as serdes_pb2
@@ -37,9 +39,12 @@ _KIND = {v: k for k, v in _NUMPY.items()}
 
 def dtype_of(proto) -> np.dtype:
     """``DTypeProto`` -> numpy dtype (bfloat16 and the float8s from ml_dtypes)."""
-    name = dtype_pb2.DTypeProto.Kind.Name(proto.kind).removeprefix("KIND_")
+    try:
+        name = dtype_pb2.DTypeProto.Kind.Name(proto.kind).removeprefix("KIND_")
+    except ValueError:
+        raise InvalidArgument(f"dtype kind {proto.kind} is not a dtype of IFRT's") from None
     if name not in _NUMPY:
-        raise ValueError(f"dtype {name} is not served by the pathways-ray proxy (it serves "
+        raise Unimplemented(f"dtype {name} is not served by the pathways-ray proxy (it serves "
                          f"{', '.join(sorted(_NUMPY))})")
     import ml_dtypes  # noqa: F401 - registers bfloat16 and the float8s with numpy
 
@@ -61,21 +66,40 @@ class ProxySharding:
     memory_kind: str = ""
 
 
+# The memory kinds served: a chip's own memory ("" is the device's default).
+SERVED_MEMORY_KINDS = ("", "device")
+
+
 def parse_sharding(proto: sharding_pb2.ShardingProto) -> ProxySharding:
-    """``ShardingProto`` (one of IFRT's serialized sharding kinds) -> ``ProxySharding``."""
+    """``ShardingProto`` (one of IFRT's serialized sharding kinds) -> ``ProxySharding``;
+    ``Unimplemented`` naming a kind of sharding or a memory kind that is not served."""
     kind, data = proto.serialized_sharding.type_name, proto.serialized_sharding.data
-    if kind.endswith("SingleDeviceSharding"):
-        m = serdes_pb2.SingleDeviceShardingProto.FromString(data)
-        return ProxySharding((m.device_id,), None, m.memory_kind)
-    if kind.endswith("::HloSharding"):
-        m = xla_sharding_pb2.HloShardingProto.FromString(data)
-        return ProxySharding(tuple(m.devices.device_ids), m.xla_op_sharding, m.memory_kind)
-    if kind.endswith("ConcreteEvenSharding"):
-        m = serdes_pb2.ConcreteEvenShardingProto.FromString(data)
-        if m.is_fully_replicated or len(m.devices.device_ids) == 1:
-            return ProxySharding(tuple(m.devices.device_ids), None, m.memory_kind)
-    raise ValueError(f"a sharding of kind {kind} is not served by the pathways-ray proxy: "
-                     f"use a NamedSharding (an HloSharding) or a single device")
+    try:
+        if kind.endswith("SingleDeviceSharding"):
+            m = serdes_pb2.SingleDeviceShardingProto.FromString(data)
+            out = ProxySharding((m.device_id,), None, m.memory_kind)
+        elif kind.endswith("::HloSharding"):
+            m = xla_sharding_pb2.HloShardingProto.FromString(data)
+            out = ProxySharding(tuple(m.devices.device_ids), m.xla_op_sharding, m.memory_kind)
+        elif kind.endswith("ConcreteEvenSharding"):
+            m = serdes_pb2.ConcreteEvenShardingProto.FromString(data)
+            if not (m.is_fully_replicated or len(m.devices.device_ids) == 1):
+                raise Unimplemented(f"a {kind} that is not replicated is not served by the "
+                                    f"pathways-ray proxy: use a NamedSharding")
+            out = ProxySharding(tuple(m.devices.device_ids), None, m.memory_kind)
+        else:
+            raise Unimplemented(f"a sharding of kind {kind!r} is not served by the "
+                                f"pathways-ray proxy: use a NamedSharding (an HloSharding) or "
+                                f"a single device")
+    except DecodeError as e:
+        raise InvalidArgument(f"a sharding of kind {kind!r} does not parse: {e}") from None
+    if not out.device_ids:
+        raise InvalidArgument(f"a sharding of kind {kind!r} over no devices")
+    if out.memory_kind not in SERVED_MEMORY_KINDS:
+        raise Unimplemented(
+            f"memory kind {out.memory_kind!r} is not served by the pathways-ray proxy yet: "
+            f"arrays live in the chips' device memory (sharding.with_memory_kind('device'))")
+    return out
 
 
 def hlo_sharding_proto(device_ids: Sequence[int], op_bytes: bytes | None,
@@ -105,21 +129,26 @@ class Placed:
 def place(sharding: ProxySharding, ndim: int, devices: Sequence[ProxyDevice],
           chips: Sequence[int]) -> Placed:
     """``sharding`` of an ``ndim``-dimensional array on the session's ``devices``; its
-    slices have ``chips[i]`` chips. ``ValueError`` naming what cannot be placed: an
+    slices have ``chips[i]`` chips. ``InvalidArgument`` naming what cannot be placed: an
     unknown device, devices of several slices, some of a slice's chips."""
     for d in sharding.device_ids:
         if not 0 <= d < len(devices):
-            raise ValueError(f"device {d} is not one of this session's {len(devices)} devices "
-                             f"(0..{len(devices) - 1})")
+            raise InvalidArgument(f"device {d} is not one of this session's {len(devices)} "
+                                  f"devices (0..{len(devices) - 1})")
     slices = sorted({devices[d].slice_index for d in sharding.device_ids})
     if len(slices) != 1:
-        raise ValueError(
+        raise InvalidArgument(
             f"the sharding spans devices of slices {slices} "
             f"({', '.join(devices[d].slice_name for d in sharding.device_ids[:1])}, ...): an "
             f"array lives on one slice here; meshes across slices are not served yet")
     s = slices[0]
     op = sharding.op
     if op is not None and _kind(op) == MAXIMAL:  # all of it on one of the devices
+        if not (op.tile_assignment_devices
+                and 0 <= op.tile_assignment_devices[0] < len(sharding.device_ids)):
+            raise InvalidArgument(f"a MAXIMAL sharding's device "
+                                  f"{list(op.tile_assignment_devices)[:1]} is not one of its "
+                                  f"{len(sharding.device_ids)} devices")
         device = sharding.device_ids[int(op.tile_assignment_devices[0])]
         return Placed(s, *replicated(chips[s], ndim), device=device)
     if len(sharding.device_ids) == 1:
@@ -127,8 +156,13 @@ def place(sharding: ProxySharding, ndim: int, devices: Sequence[ProxyDevice],
     ranks = [devices[d].rank for d in sharding.device_ids]
     if op is None or _kind(op) == REPLICATED:
         if sorted(ranks) != list(range(chips[s])):
-            raise ValueError(f"the sharding replicates over chips {sorted(ranks)} of slice "
-                             f"{devices[sharding.device_ids[0]].slice_name}, which has "
-                             f"{chips[s]}: arrays here are on all of a slice's chips or on one")
+            raise InvalidArgument(
+                f"the sharding replicates over chips {sorted(ranks)} of slice "
+                f"{devices[sharding.device_ids[0]].slice_name}, which has {chips[s]}: arrays "
+                f"here are on all of a slice's chips or on one")
         return Placed(s, *replicated(chips[s], ndim))
-    return Placed(s, *layout_of(op, ranks, ndim, chips[s]))
+    try:
+        return Placed(s, *layout_of(op, ranks, ndim, chips[s]))
+    except (ValueError, IndexError) as e:  # a tiling that fits neither array nor slice
+        raise InvalidArgument(f"the sharding is not a layout of a {ndim}-dimensional array "
+                              f"on the slice's chips: {e}") from None
