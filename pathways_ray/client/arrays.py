@@ -96,9 +96,11 @@ class RemoteArray:
 
     @property
     def sharding(self):
-        from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+        from jax.sharding import NamedSharding, PartitionSpec
 
-        return NamedSharding(AbstractMesh(self.mesh.axis_sizes, self.mesh.axis_names),
+        from pathways_ray.programs.program import abstract_mesh
+
+        return NamedSharding(abstract_mesh(self.mesh.axis_sizes, self.mesh.axis_names),
                              PartitionSpec(*[a[0] if len(a) == 1 else (a or None)
                                              for a in self.spec]))
 

@@ -193,7 +193,7 @@ class Client(Results, Resharding):
         """An abstract mesh (``jax.sharding.AbstractMesh``) over the chips of a slice, or
         over the chips of several ``slices`` (names or indices) of one JAX world, slice
         after slice: put the slice axis first, ``(len(slices), ...)``."""
-        from jax.sharding import AbstractMesh
+        from pathways_ray.programs.program import abstract_mesh
 
         shape = MeshShape(tuple(axis_names), tuple(axis_sizes))  # checks
         if slices is not None:
@@ -201,7 +201,7 @@ class Client(Results, Resharding):
             if shape.size != group.chips:
                 raise ValueError(f"axis_sizes={tuple(axis_sizes)} make {shape.size} devices; "
                                  f"slices {group.name} have {group.chips} chips")
-        return AbstractMesh(tuple(axis_sizes), tuple(axis_names))
+        return abstract_mesh(tuple(axis_sizes), tuple(axis_names))
 
     def jit(self, fn=None, *, in_shardings=None, out_shardings=None):
         """Like ``jax.jit``: ``client.jit(f)`` or ``@client.jit(out_shardings=...)``."""

@@ -81,6 +81,17 @@ class Program:
                                  f"{_spec_str(want.spec)} and called with {_spec_str(got.spec)}")
 
 
+def abstract_mesh(axis_sizes: tuple[int, ...], axis_names: tuple[str, ...]):
+    """A ``jax.sharding.AbstractMesh`` with ``Auto`` axes: shardings propagate as with
+    ``jax.jit`` and ``NamedSharding``. JAX >= 0.11 makes a new abstract mesh's axes
+    ``Explicit`` by default, which types every array by its sharding (and Pallas'
+    interpret mode then fails on a block of a sharded array)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    return AbstractMesh(tuple(axis_sizes), tuple(axis_names),
+                        axis_types=(AxisType.Auto,) * len(axis_sizes))
+
+
 def export_program(fn, mesh: MeshShape, in_specs: list, out_specs: Any, args: list,
                    in_paths: list[str], static_name: str | None = None,
                    platform: str = "cpu"):
@@ -95,9 +106,9 @@ def export_program(fn, mesh: MeshShape, in_specs: list, out_specs: Any, args: li
     """
     import jax
     from jax import export
-    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    amesh = AbstractMesh(mesh.axis_sizes, mesh.axis_names)
+    amesh = abstract_mesh(mesh.axis_sizes, mesh.axis_names)
     in_shardings = [NamedSharding(amesh, PartitionSpec(*s)) for s in in_specs]
     avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
              for (shape, dtype), sh in zip(args, in_shardings, strict=True)]

@@ -1,18 +1,20 @@
 """Which IFRT proxy protocol versions this server speaks, and the one a session uses.
 Pure (no gRPC, no Ray).
 
-jaxlib 0.10.2's client asks for protocol versions 16..25 with IFRT serdes version 3
-(measured, see DESIGN.md); the server answers with one version in both ranges, or
-an error that names both ranges.
+Measured with a listener that logs ``GetVersion``: jaxlib 0.10.2's client asks for
+protocol versions 16..25, jaxlib 0.12.1's for 16..28, both with IFRT serdes version 3.
+The messages come from the newest supported jaxlib's descriptors (a superset of the
+older ones': protobuf keeps old fields' numbers). The server answers with the
+newest version in both ranges, or an error that names both ranges.
 """
 
 from __future__ import annotations
 
 __all__ = ["MAX_VERSION", "MIN_VERSION", "SERDES_VERSION", "VersionMismatch", "negotiate"]
 
-# The range of jaxlib's own client; the messages come from that jaxlib's descriptors.
+# jaxlib 0.10.2's client (16..25) through jaxlib 0.12.1's (16..28).
 MIN_VERSION = 16
-MAX_VERSION = 25
+MAX_VERSION = 28
 SERDES_VERSION = 3
 
 
@@ -30,6 +32,6 @@ def negotiate(client_min: int, client_max: int) -> int:
     if low > high:
         raise VersionMismatch(
             f"the client speaks IFRT proxy protocol versions {client_min}..{client_max}, "
-            f"this pathways-ray proxy {MIN_VERSION}..{MAX_VERSION}: use the jaxlib that "
-            f"pathways-ray pins (0.10.2) on the client")
+            f"this pathways-ray proxy {MIN_VERSION}..{MAX_VERSION}: use a jaxlib from 0.10.2 "
+            f"to 0.12.1 on the client")
     return high

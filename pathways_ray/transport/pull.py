@@ -107,7 +107,7 @@ class Transfers:
                 conn = self._connections[pull.address] = server.connect(pull.address)
         specs = self._specs.get(pull.pieces)
         if specs is None:  # a weight sync pulls the same layouts every iteration
-            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            sharding = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
             specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
                      for shape, dtype in pull.pieces]
             if len(self._specs) < 256:

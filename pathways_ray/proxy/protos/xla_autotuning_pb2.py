@@ -24,10 +24,11 @@ _sym_db = _symbol_database.Default()
 
 from google.protobuf import any_pb2 as google_dot_protobuf_dot_any__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from pathways_ray.proxy.protos import xla_stream_executor_gpu_blas_lt_matmul_algorithm_pb2 as xla_dot_stream__executor_dot_gpu_dot_blas__lt__matmul__algorithm__pb2
 from pathways_ray.proxy.protos import xla_tsl_protobuf_dnn_pb2 as xla_dot_tsl_dot_protobuf_dot_dnn__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14xla/autotuning.proto\x12\x03xla\x1a\x19google/protobuf/any.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1axla/tsl/protobuf/dnn.proto\"z\n\x0c\x43udnnVersion\x12\x15\n\rmajor_version\x18\x04 \x01(\x05\x12\x15\n\rminor_version\x18\x05 \x01(\x05\x12\x15\n\rpatch_version\x18\x06 \x01(\x05J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x05majorR\x05minorR\x05patch\"[\n\x11\x43omputeCapability\x12\x15\n\rmajor_version\x18\x03 \x01(\x05\x12\x15\n\rminor_version\x18\x04 \x01(\x05J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x05majorR\x05minor\"\xd9\x0b\n\x0e\x41utotuneResult\x12\x15\n\rscratch_bytes\x18\x08 \x01(\x03\x12+\n\x08run_time\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x07\x66\x61ilure\x18\x07 \x01(\x0b\x32!.xla.AutotuneResult.FailureResult\x12+\n\x04\x63onv\x18\x05 \x01(\x0b\x32\x1b.xla.AutotuneResult.ConvKeyH\x00\x12+\n\x04gemm\x18\x06 \x01(\x0b\x32\x1b.xla.AutotuneResult.GemmKeyH\x00\x12\x33\n\x06triton\x18\x11 \x01(\x0b\x32!.xla.AutotuneResult.TritonGemmKeyH\x00\x12=\n\x0e\x63uda_conv_plan\x18\x0f \x01(\x0b\x32#.xla.AutotuneResult.CudaConvPlanKeyH\x00\x12I\n\x14\x63ustom_kernel_fusion\x18\x12 \x01(\x0b\x32).xla.AutotuneResult.CustomKernelFusionKeyH\x00\x12\x38\n\talgorithm\x18\x10 \x01(\x0b\x32#.stream_executor.dnn.AlgorithmProtoH\x00\x12\x35\n\x05other\x18\x13 \x01(\x0b\x32$.xla.AutotuneResult.BackendConfigKeyH\x00\x1a\xe5\x02\n\rFailureResult\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.xla.AutotuneResult.FailureKind\x12\x0b\n\x03msg\x18\x02 \x01(\t\x12\x35\n\x0ereference_conv\x18\x0b \x01(\x0b\x32\x1b.xla.AutotuneResult.ConvKeyH\x00\x12\x35\n\x0ereference_gemm\x18\x0c \x01(\x0b\x32\x1b.xla.AutotuneResult.GemmKeyH\x00\x12G\n\x18reference_cuda_conv_plan\x18\x0e \x01(\x0b\x32#.xla.AutotuneResult.CudaConvPlanKeyH\x00\x12\x42\n\x13reference_algorithm\x18\x0f \x01(\x0b\x32#.stream_executor.dnn.AlgorithmProtoH\x00\x12\x16\n\x0e\x62uffer_address\x18\r \x01(\x03\x42\x05\n\x03key\x1a\x38\n\x07\x43onvKey\x12\x11\n\talgorithm\x18\x01 \x01(\x03\x12\x1a\n\x12tensor_ops_enabled\x18\x02 \x01(\x08\x1a=\n\x07GemmKey\x12\x11\n\talgorithm\x18\x01 \x01(\x03\x12\x1f\n\x17\x61utotune_workspace_size\x18\x02 \x01(\x03\x1a\'\n\x0f\x43udaConvPlanKey\x12\x14\n\x0c\x65xec_plan_id\x18\x01 \x01(\t\x1a\xe6\x01\n\rTritonGemmKey\x12\x0f\n\x07\x62lock_m\x18\x01 \x01(\x03\x12\x0f\n\x07\x62lock_n\x18\x02 \x01(\x03\x12\x0f\n\x07\x62lock_k\x18\x03 \x01(\x03\x12\x13\n\x07split_k\x18\x04 \x01(\x03\x42\x02\x18\x01\x12\x12\n\nnum_stages\x18\x05 \x01(\x03\x12\x11\n\tnum_warps\x18\x06 \x01(\x03\x12\x10\n\x08num_ctas\x18\x07 \x01(\x03\x12\x16\n\x0eis_tma_allowed\x18\x08 \x01(\x08\x12&\n\x1eis_warp_specialization_allowed\x18\t \x01(\x08\x12\x14\n\x0cwaves_per_eu\x18\n \x01(\x03\x1a-\n\x15\x43ustomKernelFusionKey\x12\x14\n\x0ckernel_index\x18\x01 \x01(\x03\x1a\x46\n\x10\x42\x61\x63kendConfigKey\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x14.google.protobuf.Any\"T\n\x0b\x46\x61ilureKind\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x14\n\x10REDZONE_MODIFIED\x10\x01\x12\x10\n\x0cWRONG_RESULT\x10\x02\x12\x10\n\x0c\x44ISQUALIFIED\x10\x03\x42\x05\n\x03key\"K\n\x16TritonGemmConfigsProto\x12\x31\n\x06\x63onfig\x18\x01 \x03(\x0b\x32!.xla.AutotuneResult.TritonGemmKey\"\xae\x02\n\rAutotuningLog\x12#\n\x05instr\x18\x01 \x01(\x0b\x32\x14.google.protobuf.Any\x12$\n\x07results\x18\x02 \x03(\x0b\x32\x13.xla.AutotuneResult\x12(\n\rcudnn_version\x18\x03 \x01(\x0b\x32\x11.xla.CudnnVersion\x12\x32\n\x12\x63ompute_capability\x18\x04 \x01(\x0b\x32\x16.xla.ComputeCapability\x12\x19\n\x11\x64\x65vice_pci_bus_id\x18\x05 \x01(\t\x12\x14\n\x0c\x62las_version\x18\x06 \x01(\t\x12\x13\n\x0b\x66usion_name\x18\x07 \x01(\t\x12\x14\n\x0c\x66usion_count\x18\x08 \x01(\x03\x12\x18\n\x10selected_backend\x18\t \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14xla/autotuning.proto\x12\x03xla\x1a\x19google/protobuf/any.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x36xla/stream_executor/gpu/blas_lt_matmul_algorithm.proto\x1a\x1axla/tsl/protobuf/dnn.proto\"z\n\x0c\x43udnnVersion\x12\x15\n\rmajor_version\x18\x04 \x01(\x05\x12\x15\n\rminor_version\x18\x05 \x01(\x05\x12\x15\n\rpatch_version\x18\x06 \x01(\x05J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x05majorR\x05minorR\x05patch\"[\n\x11\x43omputeCapability\x12\x15\n\rmajor_version\x18\x03 \x01(\x05\x12\x15\n\rminor_version\x18\x04 \x01(\x05J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x05majorR\x05minor\"\xe6\x0c\n\x0e\x41utotuneResult\x12\x15\n\rscratch_bytes\x18\x08 \x01(\x03\x12+\n\x08run_time\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x07\x66\x61ilure\x18\x07 \x01(\x0b\x32!.xla.AutotuneResult.FailureResult\x12+\n\x04\x63onv\x18\x05 \x01(\x0b\x32\x1b.xla.AutotuneResult.ConvKeyH\x00\x12+\n\x04gemm\x18\x06 \x01(\x0b\x32\x1b.xla.AutotuneResult.GemmKeyH\x00\x12\x33\n\x06triton\x18\x11 \x01(\x0b\x32!.xla.AutotuneResult.TritonGemmKeyH\x00\x12=\n\x0e\x63uda_conv_plan\x18\x0f \x01(\x0b\x32#.xla.AutotuneResult.CudaConvPlanKeyH\x00\x12I\n\x14\x63ustom_kernel_fusion\x18\x12 \x01(\x0b\x32).xla.AutotuneResult.CustomKernelFusionKeyH\x00\x12\x38\n\talgorithm\x18\x10 \x01(\x0b\x32#.stream_executor.dnn.AlgorithmProtoH\x00\x12\x35\n\x05other\x18\x13 \x01(\x0b\x32$.xla.AutotuneResult.BackendConfigKeyH\x00\x1a\xe5\x02\n\rFailureResult\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.xla.AutotuneResult.FailureKind\x12\x0b\n\x03msg\x18\x02 \x01(\t\x12\x35\n\x0ereference_conv\x18\x0b \x01(\x0b\x32\x1b.xla.AutotuneResult.ConvKeyH\x00\x12\x35\n\x0ereference_gemm\x18\x0c \x01(\x0b\x32\x1b.xla.AutotuneResult.GemmKeyH\x00\x12G\n\x18reference_cuda_conv_plan\x18\x0e \x01(\x0b\x32#.xla.AutotuneResult.CudaConvPlanKeyH\x00\x12\x42\n\x13reference_algorithm\x18\x0f \x01(\x0b\x32#.stream_executor.dnn.AlgorithmProtoH\x00\x12\x16\n\x0e\x62uffer_address\x18\r \x01(\x03\x42\x05\n\x03key\x1a\x38\n\x07\x43onvKey\x12\x11\n\talgorithm\x18\x01 \x01(\x03\x12\x1a\n\x12tensor_ops_enabled\x18\x02 \x01(\x08\x1a\xa2\x01\n\x07GemmKey\x12\x11\n\talgorithm\x18\x01 \x01(\x03\x12\x1f\n\x17\x61utotune_workspace_size\x18\x02 \x01(\x03\x12\x19\n\x11unfuse_fp8_output\x18\x03 \x01(\x08\x12H\n\x0f\x61lgorithm_proto\x18\x04 \x01(\x0b\x32/.stream_executor.gpu.BlasLtMatmulAlgorithmProto\x1a\'\n\x0f\x43udaConvPlanKey\x12\x14\n\x0c\x65xec_plan_id\x18\x01 \x01(\t\x1a\x8d\x02\n\rTritonGemmKey\x12\x0f\n\x07\x62lock_m\x18\x01 \x01(\x03\x12\x0f\n\x07\x62lock_n\x18\x02 \x01(\x03\x12\x0f\n\x07\x62lock_k\x18\x03 \x01(\x03\x12\x13\n\x07split_k\x18\x04 \x01(\x03\x42\x02\x18\x01\x12\x12\n\nnum_stages\x18\x05 \x01(\x03\x12\x11\n\tnum_warps\x18\x06 \x01(\x03\x12\x10\n\x08num_ctas\x18\x07 \x01(\x03\x12\x16\n\x0eis_tma_allowed\x18\x08 \x01(\x08\x12&\n\x1eis_warp_specialization_allowed\x18\t \x01(\x08\x12\x14\n\x0cwaves_per_eu\x18\n \x01(\x03\x12\x12\n\ngroup_size\x18\x0b \x01(\x03\x12\x11\n\tmfma_size\x18\x0c \x01(\x03\x1a-\n\x15\x43ustomKernelFusionKey\x12\x14\n\x0ckernel_index\x18\x01 \x01(\x03\x1a\x46\n\x10\x42\x61\x63kendConfigKey\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x14.google.protobuf.Any\"T\n\x0b\x46\x61ilureKind\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x14\n\x10REDZONE_MODIFIED\x10\x01\x12\x10\n\x0cWRONG_RESULT\x10\x02\x12\x10\n\x0c\x44ISQUALIFIED\x10\x03\x42\x05\n\x03key\"K\n\x16TritonGemmConfigsProto\x12\x31\n\x06\x63onfig\x18\x01 \x03(\x0b\x32!.xla.AutotuneResult.TritonGemmKey\"\xae\x02\n\rAutotuningLog\x12#\n\x05instr\x18\x01 \x01(\x0b\x32\x14.google.protobuf.Any\x12$\n\x07results\x18\x02 \x03(\x0b\x32\x13.xla.AutotuneResult\x12(\n\rcudnn_version\x18\x03 \x01(\x0b\x32\x11.xla.CudnnVersion\x12\x32\n\x12\x63ompute_capability\x18\x04 \x01(\x0b\x32\x16.xla.ComputeCapability\x12\x19\n\x11\x64\x65vice_pci_bus_id\x18\x05 \x01(\t\x12\x14\n\x0c\x62las_version\x18\x06 \x01(\t\x12\x13\n\x0b\x66usion_name\x18\x07 \x01(\t\x12\x14\n\x0c\x66usion_count\x18\x08 \x01(\x03\x12\x18\n\x10selected_backend\x18\t \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,30 +37,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_AUTOTUNERESULT_TRITONGEMMKEY'].fields_by_name['split_k']._loaded_options = None
   _globals['_AUTOTUNERESULT_TRITONGEMMKEY'].fields_by_name['split_k']._serialized_options = b'\030\001'
-  _globals['_CUDNNVERSION']._serialized_start=116
-  _globals['_CUDNNVERSION']._serialized_end=238
-  _globals['_COMPUTECAPABILITY']._serialized_start=240
-  _globals['_COMPUTECAPABILITY']._serialized_end=331
-  _globals['_AUTOTUNERESULT']._serialized_start=334
-  _globals['_AUTOTUNERESULT']._serialized_end=1831
-  _globals['_AUTOTUNERESULT_FAILURERESULT']._serialized_start=867
-  _globals['_AUTOTUNERESULT_FAILURERESULT']._serialized_end=1224
-  _globals['_AUTOTUNERESULT_CONVKEY']._serialized_start=1226
-  _globals['_AUTOTUNERESULT_CONVKEY']._serialized_end=1282
-  _globals['_AUTOTUNERESULT_GEMMKEY']._serialized_start=1284
-  _globals['_AUTOTUNERESULT_GEMMKEY']._serialized_end=1345
-  _globals['_AUTOTUNERESULT_CUDACONVPLANKEY']._serialized_start=1347
-  _globals['_AUTOTUNERESULT_CUDACONVPLANKEY']._serialized_end=1386
-  _globals['_AUTOTUNERESULT_TRITONGEMMKEY']._serialized_start=1389
-  _globals['_AUTOTUNERESULT_TRITONGEMMKEY']._serialized_end=1619
-  _globals['_AUTOTUNERESULT_CUSTOMKERNELFUSIONKEY']._serialized_start=1621
-  _globals['_AUTOTUNERESULT_CUSTOMKERNELFUSIONKEY']._serialized_end=1666
-  _globals['_AUTOTUNERESULT_BACKENDCONFIGKEY']._serialized_start=1668
-  _globals['_AUTOTUNERESULT_BACKENDCONFIGKEY']._serialized_end=1738
-  _globals['_AUTOTUNERESULT_FAILUREKIND']._serialized_start=1740
-  _globals['_AUTOTUNERESULT_FAILUREKIND']._serialized_end=1824
-  _globals['_TRITONGEMMCONFIGSPROTO']._serialized_start=1833
-  _globals['_TRITONGEMMCONFIGSPROTO']._serialized_end=1908
-  _globals['_AUTOTUNINGLOG']._serialized_start=1911
-  _globals['_AUTOTUNINGLOG']._serialized_end=2213
+  _globals['_CUDNNVERSION']._serialized_start=172
+  _globals['_CUDNNVERSION']._serialized_end=294
+  _globals['_COMPUTECAPABILITY']._serialized_start=296
+  _globals['_COMPUTECAPABILITY']._serialized_end=387
+  _globals['_AUTOTUNERESULT']._serialized_start=390
+  _globals['_AUTOTUNERESULT']._serialized_end=2028
+  _globals['_AUTOTUNERESULT_FAILURERESULT']._serialized_start=923
+  _globals['_AUTOTUNERESULT_FAILURERESULT']._serialized_end=1280
+  _globals['_AUTOTUNERESULT_CONVKEY']._serialized_start=1282
+  _globals['_AUTOTUNERESULT_CONVKEY']._serialized_end=1338
+  _globals['_AUTOTUNERESULT_GEMMKEY']._serialized_start=1341
+  _globals['_AUTOTUNERESULT_GEMMKEY']._serialized_end=1503
+  _globals['_AUTOTUNERESULT_CUDACONVPLANKEY']._serialized_start=1505
+  _globals['_AUTOTUNERESULT_CUDACONVPLANKEY']._serialized_end=1544
+  _globals['_AUTOTUNERESULT_TRITONGEMMKEY']._serialized_start=1547
+  _globals['_AUTOTUNERESULT_TRITONGEMMKEY']._serialized_end=1816
+  _globals['_AUTOTUNERESULT_CUSTOMKERNELFUSIONKEY']._serialized_start=1818
+  _globals['_AUTOTUNERESULT_CUSTOMKERNELFUSIONKEY']._serialized_end=1863
+  _globals['_AUTOTUNERESULT_BACKENDCONFIGKEY']._serialized_start=1865
+  _globals['_AUTOTUNERESULT_BACKENDCONFIGKEY']._serialized_end=1935
+  _globals['_AUTOTUNERESULT_FAILUREKIND']._serialized_start=1937
+  _globals['_AUTOTUNERESULT_FAILUREKIND']._serialized_end=2021
+  _globals['_TRITONGEMMCONFIGSPROTO']._serialized_start=2030
+  _globals['_TRITONGEMMCONFIGSPROTO']._serialized_end=2105
+  _globals['_AUTOTUNINGLOG']._serialized_start=2108
+  _globals['_AUTOTUNINGLOG']._serialized_end=2410
 # @@protoc_insertion_point(module_scope)

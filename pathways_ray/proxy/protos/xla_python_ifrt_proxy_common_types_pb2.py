@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(xla/python/ifrt_proxy/common/types.proto\x12\x0exla.ifrt.proto\"\xae\x01\n\x07Variant\x12\x16\n\x0cstring_value\x18\x01 \x01(\x0cH\x00\x12\x15\n\x0bint64_value\x18\x02 \x01(\x10H\x00\x12\x37\n\nint64_list\x18\x03 \x01(\x0b\x32!.xla.ifrt.proto.Variant.Int64ListH\x00\x12\x15\n\x0b\x66loat_value\x18\x04 \x01(\x02H\x00\x1a\x1b\n\tInt64List\x12\x0e\n\x06values\x18\x01 \x03(\x10\x42\x07\n\x05value\"\x1e\n\x0b\x42yteStrides\x12\x0f\n\x07strides\x18\x01 \x03(\x03*\xad\x01\n\x12\x41rrayCopySemantics\x12$\n ARRAY_COPY_SEMANTICS_UNSPECIFIED\x10\x00\x12$\n ARRAY_COPY_SEMANTICS_ALWAYS_COPY\x10\x01\x12$\n ARRAY_COPY_SEMANTICS_REUSE_INPUT\x10\x02\x12%\n!ARRAY_COPY_SEMANTICS_DONATE_INPUT\x10\x03*\xaf\x01\n\x1aSingleDeviceShardSemantics\x12-\n)SINGLE_DEVICE_SHARD_SEMANTICS_UNSPECIFIED\x10\x00\x12\x34\n0SINGLE_DEVICE_SHARD_SEMANTICS_ADDRESSABLE_SHARDS\x10\x01\x12,\n(SINGLE_DEVICE_SHARD_SEMANTICS_ALL_SHARDS\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(xla/python/ifrt_proxy/common/types.proto\x12\x0exla.ifrt.proto\"\xae\x01\n\x07Variant\x12\x16\n\x0cstring_value\x18\x01 \x01(\x0cH\x00\x12\x15\n\x0bint64_value\x18\x02 \x01(\x10H\x00\x12\x37\n\nint64_list\x18\x03 \x01(\x0b\x32!.xla.ifrt.proto.Variant.Int64ListH\x00\x12\x15\n\x0b\x66loat_value\x18\x04 \x01(\x02H\x00\x1a\x1b\n\tInt64List\x12\x0e\n\x06values\x18\x01 \x03(\x10\x42\x07\n\x05value\"\x1e\n\x0b\x42yteStrides\x12\x0f\n\x07strides\x18\x01 \x03(\x03*\xad\x01\n\x12\x41rrayCopySemantics\x12$\n ARRAY_COPY_SEMANTICS_UNSPECIFIED\x10\x00\x12$\n ARRAY_COPY_SEMANTICS_ALWAYS_COPY\x10\x01\x12$\n ARRAY_COPY_SEMANTICS_REUSE_INPUT\x10\x02\x12%\n!ARRAY_COPY_SEMANTICS_DONATE_INPUT\x10\x03*\xaf\x01\n\x1aSingleDeviceShardSemantics\x12-\n)SINGLE_DEVICE_SHARD_SEMANTICS_UNSPECIFIED\x10\x00\x12\x34\n0SINGLE_DEVICE_SHARD_SEMANTICS_ADDRESSABLE_SHARDS\x10\x01\x12,\n(SINGLE_DEVICE_SHARD_SEMANTICS_ALL_SHARDS\x10\x02*T\n\x08HashMode\x12\x19\n\x15HASH_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12HASH_MODE_PHYSICAL\x10\x01\x12\x15\n\x11HASH_MODE_LOGICAL\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ARRAYCOPYSEMANTICS']._serialized_end=443
   _globals['_SINGLEDEVICESHARDSEMANTICS']._serialized_start=446
   _globals['_SINGLEDEVICESHARDSEMANTICS']._serialized_end=621
+  _globals['_HASHMODE']._serialized_start=623
+  _globals['_HASHMODE']._serialized_end=707
   _globals['_VARIANT']._serialized_start=61
   _globals['_VARIANT']._serialized_end=235
   _globals['_VARIANT_INT64LIST']._serialized_start=199

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cxla/python/ifrt/serdes.proto\x12\x08xla.ifrt\"-\n\nSerialized\x12\x11\n\ttype_name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cxla/python/ifrt/serdes.proto\x12\x08xla.ifrt\"1\n\nSerialized\x12\x11\n\ttype_name\x18\x01 \x01(\t\x12\x10\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x42\x02\x08\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xla.python.ifrt.serdes_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SERIALIZED'].fields_by_name['data']._loaded_options = None
+  _globals['_SERIALIZED'].fields_by_name['data']._serialized_options = b'\010\001'
   _globals['_SERIALIZED']._serialized_start=42
-  _globals['_SERIALIZED']._serialized_end=87
+  _globals['_SERIALIZED']._serialized_end=91
 # @@protoc_insertion_point(module_scope)

@@ -23,25 +23,23 @@ _sym_db = _symbol_database.Default()
 
 
 from pathways_ray.proxy.protos import xla_python_ifrt_device_pb2 as xla_dot_python_dot_ifrt_dot_device__pb2
-from pathways_ray.proxy.protos import xla_python_ifrt_ir_sharding_param_pb2 as xla_dot_python_dot_ifrt_dot_ir_dot_sharding__param__pb2
+from pathways_ray.proxy.protos import xla_python_ifrt_index_domain_pb2 as xla_dot_python_dot_ifrt_dot_index__domain__pb2
 from pathways_ray.proxy.protos import xla_python_ifrt_shape_pb2 as xla_dot_python_dot_ifrt_dot_shape__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%xla/python/ifrt/sharding_serdes.proto\x12\x08xla.ifrt\x1a\x1cxla/python/ifrt/device.proto\x1a\'xla/python/ifrt/ir/sharding_param.proto\x1a\x1bxla/python/ifrt/shape.proto\"p\n\x19SingleDeviceShardingProto\x12\x16\n\x0eversion_number\x18\x03 \x01(\x05\x12\x11\n\tdevice_id\x18\x01 \x01(\x05\x12\x18\n\x0bmemory_kind\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_memory_kind\"\x83\x01\n\x13OpaqueShardingProto\x12\x16\n\x0eversion_number\x18\x03 \x01(\x05\x12*\n\x07\x64\x65vices\x18\x01 \x01(\x0b\x32\x19.xla.ifrt.DeviceListProto\x12\x18\n\x0bmemory_kind\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_memory_kind\"\xe3\x02\n\x15\x43oncreteShardingProto\x12\x16\n\x0eversion_number\x18\x07 \x01(\x05\x12*\n\x07\x64\x65vices\x18\x01 \x01(\x0b\x32\x19.xla.ifrt.DeviceListProto\x12\x18\n\x0bmemory_kind\x18\x04 \x01(\tH\x01\x88\x01\x01\x12%\n\x05shape\x18\x02 \x01(\x0b\x32\x14.xla.ifrt.ShapeProtoH\x00\x12\x34\n\rdynamic_shape\x18\x05 \x01(\x0b\x32\x1b.xla.ifrt.DynamicShapeProtoH\x00\x12*\n\x0cshard_shapes\x18\x03 \x03(\x0b\x32\x14.xla.ifrt.ShapeProto\x12\x39\n\x14shard_dynamic_shapes\x18\x06 \x03(\x0b\x32\x1b.xla.ifrt.DynamicShapeProtoB\x18\n\x16shape_or_dynamic_shapeB\x0e\n\x0c_memory_kind\"\xf6\x01\n\x19\x43oncreteEvenShardingProto\x12\x16\n\x0eversion_number\x18\x06 \x01(\x05\x12*\n\x07\x64\x65vices\x18\x01 \x01(\x0b\x32\x19.xla.ifrt.DeviceListProto\x12\x18\n\x0bmemory_kind\x18\x04 \x01(\tH\x00\x88\x01\x01\x12#\n\x05shape\x18\x02 \x01(\x0b\x32\x14.xla.ifrt.ShapeProto\x12)\n\x0bshard_shape\x18\x03 \x01(\x0b\x32\x14.xla.ifrt.ShapeProto\x12\x1b\n\x13is_fully_replicated\x18\x05 \x01(\x08\x42\x0e\n\x0c_memory_kind\"\xc0\x01\n\x1aShardingParamShardingProto\x12\x16\n\x0eversion_number\x18\x04 \x01(\x05\x12\x34\n\x0esharding_param\x18\x01 \x01(\x0b\x32\x1c.xla.ifrt.ShardingParamProto\x12*\n\x07\x64\x65vices\x18\x02 \x01(\x0b\x32\x19.xla.ifrt.DeviceListProto\x12\x18\n\x0bmemory_kind\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_memory_kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%xla/python/ifrt/sharding_serdes.proto\x12\x08xla.ifrt\x1a\x1cxla/python/ifrt/device.proto\x1a\"xla/python/ifrt/index_domain.proto\x1a\x1bxla/python/ifrt/shape.proto\"p\n\x19SingleDeviceShardingProto\x12\x16\n\x0eversion_number\x18\x03 \x01(\x05\x12\x11\n\tdevice_id\x18\x01 \x01(\x05\x12\x18\n\x0bmemory_kind\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_memory_kind\"\x83\x01\n\x13OpaqueShardingProto\x12\x16\n\x0eversion_number\x18\x03 \x01(\x05\x12*\n\x07\x64\x65vices\x18\x01 \x01(\x0b\x32\x19.xla.ifrt.DeviceListProto\x12\x18\n\x0bmemory_kind\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_memory_kind\"\x96\x03\n\x15\x43oncreteShardingProto\x12\x16\n\x0eversion_number\x18\x07 \x01(\x05\x12*\n\x07\x64\x65vices\x18\x01 \x01(\x0b\x32\x19.xla.ifrt.DeviceListProto\x12\x18\n\x0bmemory_kind\x18\x04 \x01(\tH\x01\x88\x01\x01\x12%\n\x05shape\x18\x02 \x01(\x0b\x32\x14.xla.ifrt.ShapeProtoH\x00\x12\x34\n\rdynamic_shape\x18\x05 \x01(\x0b\x32\x1b.xla.ifrt.DynamicShapeProtoH\x00\x12*\n\x0cshard_shapes\x18\x03 \x03(\x0b\x32\x14.xla.ifrt.ShapeProto\x12\x39\n\x14shard_dynamic_shapes\x18\x06 \x03(\x0b\x32\x1b.xla.ifrt.DynamicShapeProto\x12\x31\n\rindex_domains\x18\x08 \x03(\x0b\x32\x1a.xla.ifrt.IndexDomainProtoB\x18\n\x16shape_or_dynamic_shapeB\x0e\n\x0c_memory_kind\"\xf6\x01\n\x19\x43oncreteEvenShardingProto\x12\x16\n\x0eversion_number\x18\x06 \x01(\x05\x12*\n\x07\x64\x65vices\x18\x01 \x01(\x0b\x32\x19.xla.ifrt.DeviceListProto\x12\x18\n\x0bmemory_kind\x18\x04 \x01(\tH\x00\x88\x01\x01\x12#\n\x05shape\x18\x02 \x01(\x0b\x32\x14.xla.ifrt.ShapeProto\x12)\n\x0bshard_shape\x18\x03 \x01(\x0b\x32\x14.xla.ifrt.ShapeProto\x12\x1b\n\x13is_fully_replicated\x18\x05 \x01(\x08\x42\x0e\n\x0c_memory_kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xla.python.ifrt.sharding_serdes_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SINGLEDEVICESHARDINGPROTO']._serialized_start=151
-  _globals['_SINGLEDEVICESHARDINGPROTO']._serialized_end=263
-  _globals['_OPAQUESHARDINGPROTO']._serialized_start=266
-  _globals['_OPAQUESHARDINGPROTO']._serialized_end=397
-  _globals['_CONCRETESHARDINGPROTO']._serialized_start=400
-  _globals['_CONCRETESHARDINGPROTO']._serialized_end=755
-  _globals['_CONCRETEEVENSHARDINGPROTO']._serialized_start=758
-  _globals['_CONCRETEEVENSHARDINGPROTO']._serialized_end=1004
-  _globals['_SHARDINGPARAMSHARDINGPROTO']._serialized_start=1007
-  _globals['_SHARDINGPARAMSHARDINGPROTO']._serialized_end=1199
+  _globals['_SINGLEDEVICESHARDINGPROTO']._serialized_start=146
+  _globals['_SINGLEDEVICESHARDINGPROTO']._serialized_end=258
+  _globals['_OPAQUESHARDINGPROTO']._serialized_start=261
+  _globals['_OPAQUESHARDINGPROTO']._serialized_end=392
+  _globals['_CONCRETESHARDINGPROTO']._serialized_start=395
+  _globals['_CONCRETESHARDINGPROTO']._serialized_end=801
+  _globals['_CONCRETEEVENSHARDINGPROTO']._serialized_start=804
+  _globals['_CONCRETEEVENSHARDINGPROTO']._serialized_end=1050
 # @@protoc_insertion_point(module_scope)

@@ -25,13 +25,13 @@ _sym_db = _symbol_database.Default()
 from pathways_ray.proxy.protos import xla_pjrt_proto_compile_options_pb2 as xla_dot_pjrt_dot_proto_dot_compile__options__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'xla/python/pjrt_ifrt/xla_compiler.proto\x12\x08xla.ifrt\x1a$xla/pjrt/proto/compile_options.proto\"K\n\x16XlaCompileOptionsProto\x12\x31\n\x0f\x63ompile_options\x18\x01 \x01(\x0b\x32\x18.xla.CompileOptionsProtob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'xla/python/pjrt_ifrt/xla_compiler.proto\x12\x08xla.ifrt\x1a$xla/pjrt/proto/compile_options.proto\"\xaf\x01\n\x16XlaCompileOptionsProto\x12\x16\n\x0eversion_number\x18\x03 \x01(\x05\x12\x31\n\x0f\x63ompile_options\x18\x01 \x01(\x0b\x32\x18.xla.CompileOptionsProto\x12&\n\x1ehas_outputs_bundle_slice_sizes\x18\x04 \x01(\x08\x12\"\n\x1aoutputs_bundle_slice_sizes\x18\x02 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xla.python.pjrt_ifrt.xla_compiler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_XLACOMPILEOPTIONSPROTO']._serialized_start=91
-  _globals['_XLACOMPILEOPTIONSPROTO']._serialized_end=166
+  _globals['_XLACOMPILEOPTIONSPROTO']._serialized_start=92
+  _globals['_XLACOMPILEOPTIONSPROTO']._serialized_end=267
 # @@protoc_insertion_point(module_scope)

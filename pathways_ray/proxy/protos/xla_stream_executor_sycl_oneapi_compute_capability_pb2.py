@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n8xla/stream_executor/sycl/oneapi_compute_capability.proto\x12\x0fstream_executor\"E\n\x1cOneAPIComputeCapabilityProto\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\tB\x1b\x42\x17OneAPIComputeCapabilityP\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n8xla/stream_executor/sycl/oneapi_compute_capability.proto\x12\x0fstream_executor\"k\n\x1cOneAPIComputeCapabilityProto\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x17\n\ngeneration\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_generationJ\x04\x08\x02\x10\x03R\x07variantB\x1b\x42\x17OneAPIComputeCapabilityP\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'B\027OneAPIComputeCapabilityP\001'
   _globals['_ONEAPICOMPUTECAPABILITYPROTO']._serialized_start=77
-  _globals['_ONEAPICOMPUTECAPABILITYPROTO']._serialized_end=146
+  _globals['_ONEAPICOMPUTECAPABILITYPROTO']._serialized_end=184
 # @@protoc_insertion_point(module_scope)
