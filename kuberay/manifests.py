@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 DEFAULT_RAY_VERSION = "2.60.0"
-DEFAULT_IMAGE = "rayproject/ray:2.60.0-py311"
+DEFAULT_IMAGE = "rayproject/ray:2.60.0-py312"
 MEGASCALE_PORT = 8081
 
 # vCPUs and GiB of memory of each GKE TPU machine type (GKE's TPU machine table).

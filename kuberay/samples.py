@@ -22,7 +22,7 @@ from .manifests import (
     to_yaml,
 )
 
-IMAGE = "us-docker.pkg.dev/my-project/pathways-ray/pathways-ray:0.1.0-py311"
+IMAGE = "us-docker.pkg.dev/my-project/pathways-ray/pathways-ray:0.1.0-py312"
 
 SAMPLES: dict[str, Callable[[], dict]] = {
     "ray-cluster.v6e-2x4-single-host.yaml": lambda: ray_cluster(

@@ -143,7 +143,8 @@ losses = []
 for i in range(10):
     l, w = step(w, x, y)
     losses.append(float(l))
-print("RESULT", json.dumps({"n": len(devices), "losses": losses}), flush=True)
+print("RESULT", json.dumps({"n": len(devices), "losses": losses, "jax": jax.__version__}),
+      flush=True)
 """
 
 TOKEN_TRAIN = ONE_SLICE + """
