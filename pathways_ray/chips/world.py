@@ -73,6 +73,7 @@ class JaxWorld:
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
             if self.info.platform == "cpu":
                 _cache_writes_from_every_process()
+                _cache_keys_of_one_slice(self.info.slice_name)
             self._cache_counter = compile_cache.count_events(
                 compilation_cache_dir, f"{self.info.slice_name}-{rank}-{os.getpid()}")
         if not network_proxy_vars(os.environ):  # JAX's warning would name Ray Serve's
@@ -166,6 +167,37 @@ def _prepare_exported_calls() -> None:
         jax.jit(exp.call).lower(spec)
     except Exception:  # noqa: BLE001 - only speed depends on it
         logger.debug("preparing exported calls failed", exc_info=True)
+
+
+def _cache_keys_of_one_slice(slice_name: str) -> None:
+    """Keep an emulated slice's persistent compilation cache entries its own.
+
+    On a CPU world each rank computes a key of its own (``_cache_writes_from_every_
+    process``), and the same rank of two slices the same key: two slices compiling
+    one program at once each load some of their entries from the other's writes.
+    With JAX 0.12.1 a slice whose chips mixed loaded and freshly compiled executables
+    could hang in its first gloo all-reduce (every chip waiting in ``gloo::allreduce``,
+    seen with gdb): 1 run in 5 on this 2-core machine under load, 0 in 16 with the cache
+    off, 0 in 14 with JAX 0.10.2; CI met it as a 300 s fetch timeout. A suffix of the
+    slice's name on every key keeps each slice to its own entries (the same slice of a
+    later run still hits them). JAX internals, like the writer above.
+    """
+    import hashlib
+
+    try:
+        from jax._src import compilation_cache
+    except ImportError:
+        return
+    get = getattr(compilation_cache, "get_cache_key", None)
+    if get is None or getattr(get, "_pathways_ray", False):
+        return
+    tag = hashlib.sha256(slice_name.encode()).hexdigest()[:8]
+
+    def get_cache_key(*args, **kwargs) -> str:
+        return f"{get(*args, **kwargs)}-{tag}"
+
+    get_cache_key._pathways_ray = True
+    compilation_cache.get_cache_key = get_cache_key
 
 
 def _cache_writes_from_every_process() -> None:
