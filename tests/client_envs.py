@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,3 +84,32 @@ def client_python(name: str, timeout_s: float = 1200) -> Path:
                            env=quiet, stdout=subprocess.DEVNULL)
         made.write_text(stamp)
         return python
+
+
+def published_file(requirement: str, path: str) -> Path:
+    """A file of a package's source distribution as published on the package index
+    (``flax==0.12.8``, ``examples/...``), downloaded once with pip and kept under
+    ``.venv-clients/sdists``; never copied into this repository."""
+    name, _, version = requirement.partition("==")
+    where = HOME / "sdists" / f"{name}-{version}"
+    target = where / path
+    if target.exists():
+        return target
+    import tarfile
+    import tempfile
+
+    HOME.mkdir(exist_ok=True)
+    with open(HOME / ".sdists.lock", "w") as lock, tempfile.TemporaryDirectory() as tmp:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                        "--no-binary", ":all:", "--disable-pip-version-check", "-d", tmp,
+                        requirement], check=True, timeout=600, stdout=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        (archive,) = Path(tmp).glob("*.tar.gz")
+        with tarfile.open(archive) as tar:  # its top folder is <name>-<version>
+            tar.extractall(where.parent, filter="data")
+    if not target.exists():
+        raise FileNotFoundError(f"{requirement}'s source distribution has no {path}")
+    return target

@@ -85,15 +85,8 @@ out["active"] = sorted(elastic.get_active_slice_indices())
 print("RESULT", json.dumps(out), flush=True)
 """
 
-# A mesh over both slices' chips (one program across slices) and a host callback:
-# each refused by name, and the session goes on.
-ACROSS = PREAMBLE + """
-both = Mesh(np.array(devices[:8]), ("data",))
-try:
-    jax.jit(lambda a: a * 2, out_shardings=NamedSharding(both, P("data")))(np.ones(8))
-    print("RESULT", json.dumps({"error": None}))
-except Exception as e:
-    print("RESULT", json.dumps({"error": str(e), "type": type(e).__name__}))
+# A host callback: refused by name, and the session goes on.
+CALLBACK = PREAMBLE + """
 try:  # a host callback (not served: jaxlib's proxy client refuses it itself)
     jax.jit(lambda a: jax.debug.print("a={a}", a=a) or a)(1.0).block_until_ready()
     print("CALLBACK", json.dumps({"error": None}))
@@ -101,6 +94,44 @@ except Exception as e:
     print("CALLBACK", json.dumps({"error": str(e), "type": type(e).__name__}))
 z = other(z)  # the session goes on
 print("OK", float(np.asarray(z).sum()), flush=True)
+"""
+
+# Arrays and programs across both slices (locally: 8 CPU devices): a hybrid mesh
+# (slices x chips) as MaxText builds one, a program over it, the shards, assembling them
+# back, copies to one slice and back, and a sum across slices.
+ACROSS = """
+import json, os
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+PROXY = os.environ.get("JAX_PLATFORMS") == "proxy"
+if PROXY:
+    import pathwaysutils
+    pathwaysutils.initialize()
+    from jax.experimental import mesh_utils
+    devices = jax.devices()
+    grid = mesh_utils.create_hybrid_device_mesh((1, 4), (2, 1), devices)
+else:
+    devices = jax.devices()
+    grid = np.array(devices[:8]).reshape(2, 4)
+mesh = Mesh(grid, ("slice", "chip"))
+one = Mesh(np.array(devices[:4]), ("chip",))
+rows = NamedSharding(mesh, P(("slice", "chip")))
+x = jax.device_put(np.arange(64 * 4, dtype=np.float32).reshape(64, 4) / 100, rows)
+y = jax.jit(lambda a: jnp.tanh(a) * 2 + 1, out_shardings=rows)(x)
+total = float(jax.jit(lambda a: jnp.sum(a * a))(y))
+parts = [np.asarray(s.data) for s in y.addressable_shards]
+again = jax.make_array_from_single_device_arrays(y.shape, y.sharding,
+                                                 [s.data for s in y.addressable_shards])
+on0 = jax.device_put(y, NamedSharding(one, P("chip")))
+back = jax.device_put(on0, NamedSharding(mesh, P("slice", "chip")))
+w = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P(None, "chip")))
+dp = jax.jit(lambda a, b: jnp.mean(a @ b))(y, w)
+print("RESULT", json.dumps({
+    "slices": sorted({d.slice_index for d in mesh.devices.flat}) if PROXY else [0, 1],
+    "y": np.asarray(y).tolist(), "total": total, "parts": [p.shape for p in parts],
+    "again": np.asarray(again).tolist(), "on0": sorted(d.id for d in on0.devices()),
+    "back": np.asarray(back).tolist(), "dp": float(dp)}), flush=True)
 """
 
 # One slice's 4 chips (a session of one 2x2 slice): 10 train steps.
@@ -176,3 +207,4 @@ size = len(mlir.module_to_bytecode(low.compiler_ir("stablehlo")))
 print("RESULT", json.dumps({"program_bytes": size, "sum": float(f(jnp.float32(2.0)))}),
       flush=True)
 """
+

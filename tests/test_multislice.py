@@ -14,21 +14,27 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pathways_ray import LocalFleet
+from pathways_ray import LocalFleet, SliceLost
 from pathways_ray.client.connect import connect, reshard
 from tests.test_controller import _mlp_data, _mlp_loss, _sgd
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def client():
-    with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tms"):
-        c = connect(multislice=True)
-        try:
-            yield c
-        finally:
-            c.close()
+def fleet():
+    with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tms") as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    c = connect(multislice=True)
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +126,47 @@ def test_mlp_parity_one_spmd_program_across_slices(client, both):
     assert got[-1] < got[0]
 
 
-def test_a_group_mesh_must_fit_and_follow_world_order(client, both):
+def test_a_group_mesh_must_fit_and_may_take_its_slices_in_any_order(client, both):
+    """A group's slices need not be side by side in the world (the survivors of a lost
+    slice are not): reversed, each chip is named by its world device id, and a program
+    over the group gives the values of local JAX."""
     with pytest.raises(ValueError, match=r"make 4 devices; slices .* have 8 chips"):
         client.mesh((2, 2), ("slice", "data"), slices=both)
-    with pytest.raises(ValueError, match=r"consecutive slices in world order"):
-        client.mesh((2, 4), ("slice", "data"), slices=list(reversed(both)))
+    rev = list(reversed(both))
+    gm = client.mesh((2, 4), ("slice", "data"), slices=rev)
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    a = client.device_put(x, NamedSharding(gm, P(("slice", "data"))), slice=rev)
+    out = client.jit(lambda v: v * 2 + jnp.sum(v), out_shardings=NamedSharding(gm, P()))(a)
+    np.testing.assert_allclose(out.fetch(), x * 2 + x.sum())
     with pytest.raises(ValueError, match=r"two or more different slices"):
         client.mesh((2, 4), ("slice", "data"), slices=[both[0], both[0]])
+
+
+def test_a_lost_slice_leaves_the_other_running_and_its_replacement_rejoins_one_world(
+        fleet, client, both):
+    """Last in this module: slice 1's host is killed. A program over both slices is
+    ``SliceLost``; slice 0 keeps running and keeps its arrays. The host comes back, a
+    replacement is reserved (``request_slices``), and the first group of slice 0 and
+    the replacement re-forms one JAX world over them: slice 0's arrays made before
+    are still there, and a program over all 8 chips gives local JAX's values."""
+    s0, s1 = both
+    one = client.mesh((4,), ("chips",))
+    a = client.device_put(X, NamedSharding(one, P("chips")), slice=s0)
+    xg = client.device_put(X, NamedSharding(client.mesh((2, 4), ("slice", "data"),
+                                                        slices=both), P("data")), slice=both)
+    fleet.remove_host(s1, 0)
+    with pytest.raises(SliceLost, match=s1):
+        client.jit(lambda v: v - v.mean())(xg).fetch()
+    step = client.jit(lambda v: jnp.tanh(v) + v.mean())
+    np.testing.assert_allclose(step(a).fetch(), np.tanh(X) + X.mean(), rtol=1e-6)
+    fleet.restore_host(s1, 0)
+    client.request_slices(1)
+    added: list[str] = []
+    wait_until(lambda: added.extend(client.refresh_slices()) or added, 240,
+               "no replacement slice joined after the host came back")
+    gm = client.mesh((2, 4), ("slice", "data"), slices=[s0, added[0]])  # re-forms
+    np.testing.assert_array_equal(a.fetch(), X)  # carried into the new world
+    np.testing.assert_allclose(step(a).fetch(), np.tanh(X) + X.mean(), rtol=1e-6)
+    yg = client.device_put(X, NamedSharding(gm, P(("slice", "data"))), slice=[s0, added[0]])
+    centred = client.jit(lambda v: v - v.mean())(yg)  # a mean over all 8 chips
+    np.testing.assert_allclose(centred.fetch(), X - X.mean(), rtol=1e-6)

@@ -20,6 +20,7 @@ import time
 
 import ray
 
+from pathways_ray.chips.carry import CarriedBuffers
 from pathways_ray.chips.executor import Executor
 from pathways_ray.chips.shards import Shards
 from pathways_ray.chips.worker_env import (
@@ -29,14 +30,14 @@ from pathways_ray.chips.world import JaxWorld
 from pathways_ray.clusters.host_plan import detect_platform
 from pathways_ray.config import timeout_s
 from pathways_ray.errors import LeaseRevoked
-from pathways_ray.transport.commands import Put
+from pathways_ray.transport.commands import Inline, Put, position
 from pathways_ray.transport.pull import Transfers
 from pathways_ray.transport.server import ChannelServer
 
 logger = logging.getLogger(__name__)
 
 
-class ChipWorker(JaxWorld, Shards):
+class ChipWorker(JaxWorld, Shards, CarriedBuffers):
     """One chip. Create it with ``ray.remote(ChipWorker)`` and ``resources={"TPU": 1}``."""
 
     def __init__(self, slice_name: str | None = None):
@@ -148,8 +149,9 @@ class ChipWorker(JaxWorld, Shards):
     def _run_batch(self, batch: list) -> None:
         """Run a batch of the command stream; first start the pulls of its puts that
         carry them (a cross-slice reshard's: ``Controller.transfer``), all at once."""
-        inline = {cmd.buffer: cmd.pieces[self.executor.rank - cmd.start] for cmd in batch
-                  if isinstance(cmd, Put) and cmd.pieces is not None}
+        inline = {cmd.buffer: cmd.pieces[position(cmd.start, self.executor.rank)] for cmd in batch
+                  if isinstance(cmd, Put) and cmd.pieces is not None
+                  and not isinstance(cmd.pieces, Inline)}  # (the executor reads those)
         if inline:
             sources = {p[0].source for pieces in inline.values() for p in pieces}
             self._stage(inline, sources.pop() if len(sources) == 1 else None)

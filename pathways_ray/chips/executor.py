@@ -33,12 +33,16 @@ from pathways_ray.transport.commands import (
     Compile,
     Free,
     Hold,
+    Inline,
     Load,
     Put,
     Reshard,
     Restore,
     Run,
     Save,
+    Where,
+    devices_of,
+    position,
 )
 
 logger = logging.getLogger(__name__)
@@ -140,24 +144,26 @@ class Executor(Checkpoints):
         self.first_call_s.clear()
 
     # ---- helpers -------------------------------------------------------------
-    def mesh(self, shape: MeshShape, start: int = 0):
+    def mesh(self, shape: MeshShape, start: Where = 0):
         key = (shape, start)
         if key not in self._meshes:
             import jax
             from jax.sharding import Mesh
 
             world = jax.devices()
-            devices = world[start:start + shape.size]
-            if len(devices) != shape.size or not start <= self.rank < start + shape.size:
-                raise ValueError(f"mesh {shape} at device {start} does not fit this chip's "
+            ids = devices_of(start, shape.size)
+            if (max(ids) >= len(world) or min(ids) < 0
+                    or position(start, self.rank) < 0):
+                raise ValueError(f"mesh {shape} at devices {start} does not fit this chip's "
                                  f"world of {len(world)} devices (chip {self.rank})")
+            devices = [world[d] for d in ids]
             if shape.devices is not None:  # a layout in another order than the ranks'
                 devices = [devices[r] for r in shape.devices]
             self._meshes[key] = Mesh(np.array(devices).reshape(shape.axis_sizes),
                                      shape.axis_names)
         return self._meshes[key]
 
-    def sharding(self, mesh: MeshShape, spec: Spec, start: int = 0):
+    def sharding(self, mesh: MeshShape, spec: Spec, start: Where = 0):
         """One ``NamedSharding`` per layout, reused: JAX caches what it works out about
         a sharding (its devices here) on the object, and a weight sync puts the same
         few layouts every iteration."""
@@ -327,7 +333,7 @@ class Executor(Checkpoints):
     def _hold(self, cmd: Hold) -> None:
         """Hand this chip's shards to a sidecar call: a copy in host memory, taken at
         this point of the stream (a later Free cannot reach it)."""
-        if self.rank - cmd.start not in cmd.ranks:
+        if position(cmd.start, self.rank) not in cmd.ranks:
             return
         try:
             values = [np.asarray(self._ok(i).addressable_data(0)) for i in cmd.buffers]
@@ -350,8 +356,11 @@ class Executor(Checkpoints):
         import jax
 
         sharding = self.sharding(cmd.mesh, cmd.spec, cmd.start)
-        index = shard_slices(cmd.shape, cmd.mesh, cmd.spec)[self.rank - cmd.start]
-        local = assemble(index, cmd.dtype, self._pieces(cmd.buffer))
+        if isinstance(cmd.pieces, Inline):  # the data came in the command
+            local = cmd.pieces.blocks[cmd.pieces.of_rank[position(cmd.start, self.rank)]]
+        else:
+            index = shard_slices(cmd.shape, cmd.mesh, cmd.spec)[position(cmd.start, self.rank)]
+            local = assemble(index, cmd.dtype, self._pieces(cmd.buffer))
         if isinstance(local, np.ndarray):
             local = jax.device_put(local, jax.local_devices()[0])
         self.buffers[cmd.buffer] = jax.make_array_from_single_device_arrays(

@@ -20,6 +20,7 @@ import numpy as np
 from pathways_ray.programs.hlo_program import HloProgram, HloSignature
 from pathways_ray.programs.hlo_sharding import layout_of, replicated
 from pathways_ray.programs.sharding import MeshShape, Spec
+from pathways_ray.transport.commands import Where, devices_of
 
 __all__ = ["CompiledHlo", "compile_hlo"]
 
@@ -68,7 +69,7 @@ def _compile_or_load(module: bytes, devices: list, options):
                                               options, [], xc.DeviceList(tuple(devices)))
 
 
-def compile_hlo(program: HloProgram, start: int, chips: int,
+def compile_hlo(program: HloProgram, start: Where, chips: int,
                 sharding: Callable[[MeshShape, Spec, int], object]) -> CompiledHlo:
     """Compile ``program`` for the placement of ``chips`` chips at world device
     ``start`` (every chip of it calls this)."""
@@ -76,7 +77,8 @@ def compile_hlo(program: HloProgram, start: int, chips: int,
     from jax._src.lib import xla_client as xc
 
     world = jax.devices()
-    devices = ([world[start + r] for r in program.ranks] if program.ranks
+    ids = devices_of(start, chips)
+    devices = ([world[ids[r]] for r in program.ranks] if program.ranks
                else [jax.local_devices()[0]])
     options = xc.CompileOptions.ParseFromString(program.compile_options)
     options.device_assignment = xc.DeviceAssignment.create(

@@ -28,7 +28,7 @@ from pathways_ray.chips.chip_worker import ChipWorker
 from pathways_ray.chips.handles import SidecarInfo, SliceWorker, _get, ping_all
 from pathways_ray.chips.worker_env import rank_order
 from pathways_ray.clusters import registry
-from pathways_ray.clusters.cluster import cluster_slices, describe_capacity
+from pathways_ray.clusters.cluster import cluster_slices, describe_capacity, slice_order
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import NAMESPACE, TIMEOUTS
 from pathways_ray.errors import ReservationTimeout, WaitTimeout, WorkerDied
@@ -64,6 +64,9 @@ class Slice:
         self._pg = spg.slice_placement_group if spg is not None else None
         self.borrowed = False  # lent by a shared service, which keeps the reservation
         self.listeners: list[tuple[str, int]] = []  # each rank's command server (health)
+        # A world of several slices whose coordination service is off the chips (see
+        # world_service.py): it outlives any one of them. None: the slice's own world.
+        self.world_service = None
 
     # ---- lending (a shared service's pool, service.py) --------------------------------
     def lend(self) -> dict:
@@ -107,7 +110,6 @@ class Slice:
         ``worker_cls`` replaces ``ChipWorker`` (a subclass, e.g. ``testing.DebugChipWorker``).
         """
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from ray.util.tpu import SlicePlacementGroup
 
         topo = Topology.of(topology, chips_per_host=chips_per_host)
@@ -153,36 +155,10 @@ class Slice:
             raise cls._timeout(topo, timeout_s, t0) from None
         logger.info("reserved %s in %.1fs", topo.describe(), time.monotonic() - t0)
 
-        actor_cls = ray.remote(concurrency_groups={"control": 2, "host": 4})(
-            worker_cls or ChipWorker)
-        handles, names = [], []
+        handles: list = []
         try:
-            for bundle in range(spg.num_bundles):
-                name = f"chip-{handle_id}-{bundle}"
-                handles.append(
-                    actor_cls.options(
-                        name=name,
-                        namespace=NAMESPACE,
-                        num_cpus=1,
-                        resources={"TPU": 1},
-                        max_restarts=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=pg, placement_group_bundle_index=bundle
-                        ),
-                    ).remote()
-                )
-                names.append(name)
-            infos = _get([h.get_info.remote() for h in handles], worker_timeout_s,
-                         "starting chip workers")
-            order = rank_order(infos)
-            slice_names = {i.slice_name for i in infos}
-            if len(slice_names) != 1:
-                raise RuntimeError(
-                    f"chip workers of one reservation landed on several slices {slice_names}; "
-                    f"this is a placement bug, please report it"
-                )
-            workers = [SliceWorker(r, infos[i], names[i], handles[i], bundle=i)
-                       for r, i in enumerate(order)]
+            workers = cls._start_workers(pg, spg.num_bundles, handle_id, worker_cls,
+                                         worker_timeout_s, handles)
             sl = cls(topo, spg, workers, [])
             if join_world:
                 cls._init_world([sl], worker_timeout_s, compilation_cache_dir)
@@ -206,24 +182,110 @@ class Slice:
 
         Each slice still runs its own programs on its own devices; a program
         over a mesh spanning them runs on all, with collectives between slices
-        (DCN on TPU, gloo here). The world lives and dies as one: losing any
-        slice loses it, as with any multislice job.
+        (DCN on TPU, gloo here). On the emulated fleet the world's coordination
+        service runs in this process (``WorldService``, shared by the slices as
+        ``world_service``; the caller shuts it down once they are released), so a
+        lost slice leaves the others running; on TPUs the world lives and dies as
+        one, as any multislice job does over DCN.
         """
+        from concurrent.futures import ThreadPoolExecutor
+
         slices: list[Slice] = []
         try:
-            for spec in topologies:
-                slices.append(cls.reserve(spec, timeout_s=timeout_s,
-                                          worker_timeout_s=worker_timeout_s, join_world=False,
-                                          worker_cls=worker_cls))
+            # Side by side: each slice's chip workers start and import JAX at once.
+            with ThreadPoolExecutor(len(topologies),
+                                    thread_name_prefix="pathways-ray-reserve") as pool:
+                futures = [pool.submit(cls.reserve, spec, timeout_s=timeout_s,
+                                       worker_timeout_s=worker_timeout_s, join_world=False,
+                                       worker_cls=worker_cls) for spec in topologies]
+            slices = [f.result() for f in futures if f.exception() is None]
+            failed = next((f.exception() for f in futures if f.exception() is not None), None)
+            if failed is not None:
+                raise failed
+            # The world's order is the names' (the proxy's devices and the client's
+            # groups follow it), whichever slice each shape's reservation got.
+            slices.sort(key=lambda sl: slice_order(sl.name))
             cls._init_world(slices, worker_timeout_s or TIMEOUTS["worker_start"].seconds(),
                             compilation_cache_dir)
         except BaseException:
             for sl in slices:
                 sl.shutdown()
+            if slices and slices[0].world_service is not None:
+                slices[0].world_service.shutdown()
             raise
         for sl in slices:
             registry.register(sl)
         return slices
+
+    @staticmethod
+    def _start_workers(pg, num_bundles: int, handle_id: str, worker_cls: type | None,
+                       timeout_s: float, handles: list) -> list[SliceWorker]:
+        """A chip worker in every bundle of ``pg`` (their handles appended to
+        ``handles`` as they start, for the caller to kill on failure), in rank order."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_cls = ray.remote(concurrency_groups={"control": 2, "host": 4})(
+            worker_cls or ChipWorker)
+        names = []
+        for bundle in range(num_bundles):
+            name = f"chip-{handle_id}-{bundle}"
+            handles.append(
+                actor_cls.options(
+                    name=name,
+                    namespace=NAMESPACE,
+                    num_cpus=1,
+                    resources={"TPU": 1},
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=bundle
+                    ),
+                ).remote()
+            )
+            names.append(name)
+        infos = _get([h.get_info.remote() for h in handles], timeout_s,
+                     "starting chip workers")
+        order = rank_order(infos)
+        slice_names = {i.slice_name for i in infos}
+        if len(slice_names) != 1:
+            raise RuntimeError(
+                f"chip workers of one reservation landed on several slices {slice_names}; "
+                f"this is a placement bug, please report it"
+            )
+        return [SliceWorker(r, infos[i], names[i], handles[i], bundle=i)
+                for r, i in enumerate(order)]
+
+    def restart_workers(self, timeout_s: float, worker_cls: type | None = None) -> None:
+        """Replace every chip worker with a new process in the same bundle (same chip,
+        same rank), outside any JAX world: the caller forms one (``_init_world``). The
+        old processes are killed, whatever they held is gone."""
+        import ray
+
+        if self.borrowed or self._pg is None:
+            raise RuntimeError(f"slice {self.name} is lent by a service: its workers "
+                               f"are the lender's to restart")
+        for w in self.workers:
+            try:
+                ray.kill(w.handle)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        handles: list = []
+        try:
+            workers = self._start_workers(self._pg, len(self.workers), uuid.uuid4().hex[:8],
+                                          worker_cls, timeout_s, handles)
+        except BaseException:
+            for h in handles:
+                ray.kill(h)
+            raise
+        before = {w.bundle: w.rank for w in self.workers}
+        if any(before[w.bundle] != w.rank for w in workers):
+            for h in handles:
+                ray.kill(h)
+            raise RuntimeError(f"slice {self.name}: restarted chip workers took other "
+                               f"ranks; this is a placement bug, please report it")
+        self.workers = workers
+        self.world = []
+        self.listeners = []
 
     @staticmethod
     def _timeout(topo: Topology, timeout_s: float, t0: float) -> ReservationTimeout:
@@ -238,11 +300,19 @@ class Slice:
     def _init_world(slices: list[Slice], timeout_s: float,
                     compilation_cache_dir: str | None) -> None:
         """One JAX world over the chips of ``slices``, slice after slice in rank order."""
+        from pathways_ray.chips.world_service import WorldService
+
         workers = [w for sl in slices for w in sl.workers]
         ports = _get([w.handle.reserve_port.remote() for w in workers], timeout_s,
                      "reserving ports")
         addresses = [f"{w.info.ip}:{p}" for w, p in zip(workers, ports, strict=True)]
         coordinator = addresses[0]
+        outside = len(slices) > 1 and all(w.info.platform == "cpu" for w in workers)
+        if outside:
+            service = WorldService(len(workers))
+            coordinator = service.address
+            for sl in slices:
+                sl.world_service = service
         refs, offset = [], 0
         for sid, sl in enumerate(slices):
             n = sl.num_chips
@@ -258,6 +328,7 @@ class Slice:
                     compilation_cache_dir=compilation_cache_dir,
                     slice_devices=(offset, n),
                     multislice=multislice,
+                    service_outside=outside,
                 ))
             sl.world_offset = offset
             offset += n

@@ -39,12 +39,15 @@ class JaxWorld:
         compilation_cache_dir: str | None = None,
         slice_devices: tuple[int, int] | None = None,
         multislice: tuple[int, int, str] | None = None,
+        service_outside: bool = False,
     ) -> dict:
         """Join a JAX world as process ``rank``; returns what JAX sees.
 
         The world is the slice's, or several slices' (``slice_devices`` = this
         slice's (first device, count) in it; ``multislice`` = (slice id, slices,
-        DCN coordinator) on TPU).
+        DCN coordinator) on TPU). ``service_outside``: the world's coordination
+        service runs elsewhere (``world_service.WorldService``) and every chip, rank
+        0's too, joins it as a client, so that no slice's loss ends the others.
         """
         start, count = slice_devices or (0, num_processes)
         if self.info.platform == "cpu":
@@ -78,14 +81,18 @@ class JaxWorld:
                 compilation_cache_dir, f"{self.info.slice_name}-{rank}-{os.getpid()}")
         if not network_proxy_vars(os.environ):  # JAX's warning would name Ray Serve's
             jax.config.update("jax_check_proxy_envs", False)
-        if rank != 0:  # see wait_listening: saves ~1 s of every world's start
+        if rank != 0 or service_outside:  # see wait_listening: ~1 s of every world's start
             wait_listening(coordinator, t0 + timeout_s)
-        jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=num_processes,
-            process_id=rank,
-            initialization_timeout=int(max(1, t0 + timeout_s - time.monotonic())),
-        )
+        if service_outside:
+            _join_as_client(coordinator, num_processes, rank,
+                            int(max(1, t0 + timeout_s - time.monotonic())))
+        else:
+            jax.distributed.initialize(
+                coordinator_address=coordinator,
+                num_processes=num_processes,
+                process_id=rank,
+                initialization_timeout=int(max(1, t0 + timeout_s - time.monotonic())),
+            )
         from jax.sharding import Mesh
 
         if self.info.platform == "cpu":
@@ -108,6 +115,7 @@ class JaxWorld:
             "process_index": jax.process_index(),
             "device_count": jax.device_count(),
             "local_device": str(local[0]),
+            "device_id": int(local[0].id),  # its id in the world (re-forming renames them)
             "platform": local[0].platform,
             "init_s": time.monotonic() - t0,
         }
@@ -146,6 +154,25 @@ class JaxWorld:
 
             jax.distributed.shutdown()
             self._mesh = None
+
+
+def _join_as_client(coordinator: str, num_processes: int, rank: int, timeout_s: int) -> None:
+    """What ``jax.distributed.initialize`` does for process ``rank``, less starting the
+    coordination service (which it does in process 0): the world's service runs off the
+    chips. JAX internals (``distributed.global_state``): the backends read the client,
+    process id and count from there."""
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    state = distributed.global_state
+    if state.client is not None:
+        raise RuntimeError("this chip worker joined a JAX world already")
+    state.coordinator_address = coordinator
+    state.process_id = rank
+    state.num_processes = num_processes
+    state.client = _jax.get_distributed_runtime_client(
+        coordinator, rank, init_timeout=timeout_s, use_compression=True)
+    state.client.connect()
 
 
 def _prepare_exported_calls() -> None:

@@ -33,7 +33,7 @@ from pathways_ray.observability.profile_trace import Event
 from pathways_ray.observability.profiling import PROFILE_ENV
 from pathways_ray.programs.program import Program
 from pathways_ray.programs.sharding import MeshShape, shard_slices, unique_shards
-from pathways_ray.transport.commands import Compile, Put, Run
+from pathways_ray.transport.commands import INLINE_BYTES, Compile, Inline, Put, Run
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,8 @@ class Client(Results, Resharding):
     def _group(self, names: list[str]) -> SliceInfo:
         key = "+".join(names)
         if key not in self._groups:
-            info = self._call("group", names)
+            # (It may re-form the slices' JAX world, starting every chip's process.)
+            info = self._call("group", names, timeout="worker_start")
             g = SliceInfo(info["name"], info["topology"], info["chips"],
                           self.slice(names[0]).platform)
             self._queue.add(g.name, names)
@@ -235,10 +236,16 @@ class Client(Results, Resharding):
                              f"devices; slice {target.name} has {target.chips} chips")
         index = shard_slices(x.shape, mesh, spec)
         firsts = unique_shards(index)
-        blocks = {r: np.ascontiguousarray(x[index[r]]) for r in sorted(set(firsts))}
-        refs = {r: ray.put(b) for r, b in blocks.items()}
-        self.counters["put_bytes"] += sum(b.nbytes for b in blocks.values())
-        pieces = [[(refs[firsts[r]], index[firsts[r]])] for r in range(mesh.size)]
+        blocks = {r: np.array(x[index[r]], order="C") for r in sorted(set(firsts))}  # (0-d too)
+        size = sum(b.nbytes for b in blocks.values())
+        self.counters["put_bytes"] += size
+        if size <= INLINE_BYTES:  # in the command itself (commands.Inline)
+            order = {r: i for i, r in enumerate(blocks)}
+            pieces = Inline(tuple(blocks.values()), tuple(order[firsts[r]]
+                                                          for r in range(mesh.size)))
+        else:
+            refs = {r: ray.put(b) for r, b in blocks.items()}
+            pieces = [[(refs[firsts[r]], index[firsts[r]])] for r in range(mesh.size)]
         arr = RemoteArray(self, next(self._ids), target.name, x.shape, x.dtype, mesh, spec)
         self._queue.enqueue(target.name, Put(arr._id, tuple(x.shape), x.dtype.name, spec, mesh,
                                              pieces=pieces))

@@ -8,7 +8,7 @@ import numpy as np
 from pathways_ray import boundary
 from pathways_ray.chips.executor import assemble
 from pathways_ray.client.arrays import RemoteArray
-from pathways_ray.errors import PathwaysError, SliceLost
+from pathways_ray.errors import PathwaysError, RemoteError, SliceLost
 from pathways_ray.programs.sharding import shard_slices, unique_shards
 
 
@@ -24,8 +24,21 @@ class Results:
                 err = known
             return self._queue.record(where, err) if isinstance(err, SliceLost) else err
 
-        return boundary.get(refs, timeout="fetch" if timeout_s is None else timeout_s,
-                            what=what, died=died)
+        try:
+            return boundary.get(refs, timeout="fetch" if timeout_s is None else timeout_s,
+                                what=what, died=died)
+        except RemoteError as e:
+            if where not in self._groups:
+                raise
+            # A program over several slices fails on the survivors' chips when a member
+            # dies under it (its collectives break): that is the member's loss.
+            try:
+                lost = self._call("lost_member", where, str(e).splitlines()[0][:300])
+            except PathwaysError as known:
+                lost = known
+            if not isinstance(lost, SliceLost):
+                raise
+            raise self._queue.record(where, lost) from None
 
     def _fetch(self, arr: RemoteArray, timeout_s: float | None) -> np.ndarray:
         self._sync(arr.slice)

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from pathways_ray.clusters.topology import Topology
 
-__all__ = ["HostView", "SliceView", "cluster_slices", "describe_capacity", "slices_from_nodes"]
+__all__ = ["HostView", "SliceView", "cluster_slices", "describe_capacity", "slice_order",
+           "slices_from_nodes"]
+
+
+def slice_order(name: str) -> tuple:
+    """Sort key of slice names in their numbers' order: v6e-2x2-2 before v6e-2x2-10."""
+    import re
+
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name))
 
 SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"

@@ -47,6 +47,7 @@ from pathways_ray.controller.health import HealthMonitor, Regrower
 from pathways_ray.controller.losses import LossesAndGrowth
 from pathways_ray.controller.placement import Placement, reserve_all
 from pathways_ray.controller.profiles import Profiles
+from pathways_ray.controller.reform import WorldReform
 from pathways_ray.controller.sidecars import SidecarCalls
 from pathways_ray.controller.streams import Streams
 from pathways_ray.controller.transfers import Transfers
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Controller"]
 
 
-class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth):
+class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth, WorldReform):
     """Create with ``ray.remote(Controller)`` (``pathways_ray.connect()`` does)."""
 
     worker_cls = None  # the chip worker actor class; None: ChipWorker (tests may subclass)
@@ -86,6 +87,8 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth):
         self.loaded, self.arrays, self.loads_sent = {}, {}, {}
         self.programs: dict[str, bytes] = {}
         self.multislice = False
+        self._world_service = None  # a multislice world's coordination service (elastic)
+        self._reforming: set[str] = set()  # slices whose world is being re-formed
         self._closed = False
         self._lock = threading.RLock()
         self._last_load: dict[str, int] = {}  # slice -> number of its last batch with a Load
@@ -123,6 +126,7 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth):
                 got = [Slice.borrowed(lent) for lent in self._lease["slices"]]
             elif self.multislice:
                 got = Slice.reserve_joint(slices, **opts)
+                self._world_service = got[0].world_service
             else:
                 got = reserve_all(slices, opts)
             self.slices.update((s.name, s) for s in got)
@@ -154,24 +158,26 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth):
                  "chips_per_host": s.topology.chips_per_host,
                  "workers": [(w.rank, w.info.worker_id, w.info.chip) for w in s.workers],
                  "platform": s.workers[0].info.platform,
+                 "joint": self.multislice,  # the slices are one JAX world (a mesh spans them)
                  "placement_groups": s.placement_group_ids}
                 for s in live]
 
     def group(self, slice_names: list[str]) -> dict:
-        """A placement spanning several slices of this controller's one JAX world."""
+        """A placement spanning several slices of this controller's one JAX world, in the
+        order given (any of them: the survivors of a lost slice need not be side by
+        side in the world)."""
         if not self.multislice:
             raise ValueError(f"slices={slice_names} are separate JAX worlds; a mesh across "
                              f"slices needs them joined: pathways_ray.connect(multislice=True)")
         members = tuple(self._place(n).slices[0] for n in slice_names)
         if len(set(slice_names)) != len(slice_names) or len(members) < 2:
             raise ValueError(f"slices={slice_names} must name two or more different slices")
-        ordered = sorted(members, key=lambda m: m.world_offset)
-        contiguous = all(a.world_offset + a.num_chips == b.world_offset
-                         for a, b in zip(ordered, ordered[1:], strict=False))
-        if list(members) != ordered or not contiguous:
-            order = [s.name for s in sorted(self.slices.values(), key=lambda m: m.world_offset)]
-            raise ValueError(f"slices={slice_names} must be consecutive slices in world order "
-                             f"{order}")
+        if not self._one_world(members):
+            # A replacement joined in a world of its own: one world over all again.
+            if self._world_service is None:
+                raise ValueError(f"slices={slice_names} are not one JAX world, and this "
+                                 f"world's chips cannot be re-formed")
+            self._reform()
         name = "+".join(slice_names)
         if name not in self.placements:
             self._add_placement(Placement(name, members))
@@ -249,6 +255,9 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth):
         for s in slices:
             s.shutdown(lost=True)  # kill the workers and release: the worlds are left
         self.slices.clear()
+        if self._world_service is not None:  # after its chips left it
+            self._world_service.shutdown()
+            self._world_service = None
 
     def _place(self, name: str) -> Placement:
         try:

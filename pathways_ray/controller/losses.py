@@ -22,8 +22,9 @@ class LossesAndGrowth:
         reserved in the background as soon as the cluster has them free. Each joins
         ``describe()`` when ready, under a name of its own (a slice that comes back
         under an old name is a new slice). Idempotent: ``grow(0)`` cancels."""
-        if self.multislice and count:
-            raise ValueError("a multislice world cannot take in a new slice; connect without "
+        if self.multislice and count and self._world_service is None:
+            raise ValueError("this multislice world (its coordination service on a chip, as "
+                             "on TPUs) cannot take in a new slice; connect without "
                              "multislice=True to grow back")
         if self._lease is not None and count:
             raise ValueError("a lease of a shared service holds only the slices it was "
@@ -67,6 +68,21 @@ class LossesAndGrowth:
         errors = [self._lose(s.name, reason) for s in (sick or members)]
         return errors[0]
 
+    def lost_member(self, where: str, reason: str) -> SliceLost | None:
+        """A program over several slices failed on the chips: if one of them is dead or
+        frozen (its collectives with the others broke), mark it lost and return that;
+        None when every member is healthy (the program's own error stands)."""
+        with self._lock:
+            p = self.placements.get(where)
+            if p is None:
+                return None
+            for s in p.slices:
+                if s.name in self.lost:
+                    return self.lost[s.name]
+        sick = [s for s in p.slices if any(h != "ok" for _, h in s.health(2.0))]
+        return self._lose(sick[0].name, f"a program over {where} failed on the chips "
+                                        f"({reason})") if sick else None
+
     def _streams(self):
         """For the health monitor: (slice, stream, its last batch with a Load)."""
         with self._lock:
@@ -75,7 +91,10 @@ class LossesAndGrowth:
 
     def _condemn(self, name: str, reason: str) -> None:
         """The monitor found slice ``name`` dead or frozen: break its streams first (a
-        send or wait blocked on them returns at once), then mark it lost."""
+        send or wait blocked on them returns at once), then mark it lost. (Not while its
+        world is re-formed: its old processes are stopped on purpose.)"""
+        if name in self._reforming:
+            return
         for ch in self._channels.get(name, []):
             ch.abort()
         self._lose(name, reason)
@@ -113,7 +132,10 @@ class LossesAndGrowth:
         for other in self.slices.values():  # their puts stop waiting on pulls from it
             for w in other.workers:
                 w.handle.abandon.remote(name, lease=self._token)
-        if self.multislice:  # one JAX world: the other slices cannot run a collective now
+        if self.multislice and s.world_service is None:
+            # One JAX world whose service was on a chip (TPU, over DCN): the others
+            # cannot run a collective now. (An emulated world's service is off the chips:
+            # the survivors keep running, and programs over them alone still run.)
             for other in list(self.slices):
                 self._lose_locked(other, f"it shared one JAX world with slice {name}, which "
                                          f"was lost")

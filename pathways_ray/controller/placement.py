@@ -1,4 +1,4 @@
-"""Where arrays live (a ``Placement``: one slice, or consecutive slices of one JAX
+"""Where arrays live (a ``Placement``: one slice, or slices of one JAX
 world) and reserving separate slices side by side."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ __all__ = ["Placement", "reserve_all"]
 @dataclass(frozen=True)
 class Placement:
     """Where an array lives: one slice, or several slices of one JAX world (a
-    multislice mesh). ``workers`` are in device order; ``start`` is the first
-    device in the world."""
+    multislice mesh). ``workers`` are in device order; ``start`` is where its devices
+    are in the world (``commands.Where``): the first of them, or, for slices that are
+    not side by side there (the survivors of a lost one), all of their ids."""
 
     name: str
     slices: tuple[Slice, ...]
@@ -24,8 +25,10 @@ class Placement:
         return [w for s in self.slices for w in s.workers]
 
     @property
-    def start(self) -> int:
-        return self.slices[0].world_offset
+    def start(self) -> int | tuple[int, ...]:
+        ids = tuple(d for s in self.slices
+                    for d in range(s.world_offset, s.world_offset + s.num_chips))
+        return ids[0] if ids == tuple(range(ids[0], ids[0] + len(ids))) else ids
 
     @property
     def chips(self) -> int:

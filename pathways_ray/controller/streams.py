@@ -18,6 +18,7 @@ from pathways_ray.transport.commands import (
     Compile,
     Free,
     HostCall,
+    Inline,
     Load,
     Put,
     Run,
@@ -80,9 +81,9 @@ class Streams:
                     batch.append(Load(fp, self.programs[fp]))
                     loaded.add(fp)
                     self.loads_sent[where] += 1
-                case Put(pieces=[[(Pull(), *_), *_], *_]):
-                    # Pulls travel in the command: each chip starts its own on reading
-                    # the batch (ChipWorker._run_batch), with no Ray call of their own.
+                case Put(pieces=[[(Pull(), *_), *_], *_]) | Put(pieces=Inline()):
+                    # Pulls and small puts' data travel in the command: each chip takes
+                    # its own on reading the batch, with no Ray call of their own.
                     batch.append(replace(cmd, start=p.start))
                     live.update(cmd.writes)
                     continue

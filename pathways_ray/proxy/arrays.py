@@ -1,8 +1,9 @@
 """A session's arrays: what each IFRT array handle the client holds is, on the fleet.
 
 An array is one of:
-- on the chips: a ``RemoteArray`` of the session's ``Client``, on one slice, laid out
-  as the client's sharding says (``types.place``);
+- on the chips: a ``RemoteArray`` of the session's ``Client``, on one slice or on
+  several slices of one JAX world (the client's multislice group), laid out as the
+  client's sharding says (``types.place``);
 - still here: a one-device array made from host bytes (a shard of a ``device_put``,
   a scalar), put on the chips only when a program or a copy needs it there, so the
   shards of a sharded ``device_put`` reach the chips as one array, each chip its block;
@@ -22,11 +23,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pathways_ray.client.arrays import Layout, RemoteArray
+from pathways_ray.errors import PathwaysError
 from pathways_ray.programs.hlo_sharding import replicated
 from pathways_ray.programs.sharding import shard_slices
 from pathways_ray.proxy.devices import ProxyDevice
 from pathways_ray.proxy.errors import InvalidArgument, NotFound
-from pathways_ray.proxy.types import Placed, ProxySharding, place
+from pathways_ray.proxy.types import Placed, ProxySharding, group_ranks, place
 
 if TYPE_CHECKING:
     from pathways_ray.client.client import Client
@@ -48,27 +50,38 @@ class ProxyArray:
     parent: ProxyArray | None = None  # a shard view: ``index`` of ``parent``
     index: tuple[slice, ...] | None = None
     cached: np.ndarray | None = field(default=None, repr=False)
+    # A one-device array's copies on the chips of other placements (slices -> copy)
+    copies: dict = field(default_factory=dict, repr=False)
 
     @property
     def single(self) -> bool:
         return self.placed.device is not None
 
-    def blocks(self, devices: list[ProxyDevice]) -> list[tuple[slice, ...]]:
+    def blocks(self, devices: list[ProxyDevice], chips: list[int]) -> list[tuple[slice, ...]]:
         """The block of the array each of ``device_ids`` holds."""
         if self.single:
             return [tuple(slice(0, n) for n in self.shape)] * len(self.device_ids)
         by_rank = shard_slices(self.shape, self.placed.mesh, self.placed.spec)
-        return [by_rank[devices[d].rank] for d in self.device_ids]
+        first = group_ranks(self.placed.slices, chips)
+        return [by_rank[first[devices[d].slice_index] + devices[d].rank]
+                for d in self.device_ids]
 
 
 class ArrayTable:
     """Handle -> array (or the error that making it met, raised where it is used)."""
 
-    def __init__(self, client: Client, devices: list[ProxyDevice], slices: list[dict]):
+    def __init__(self, client: Client, devices: list[ProxyDevice], slices: list[dict],
+                 joint: bool = False):
         self.client = client
         self.devices = devices
         self.slice_names = [s["name"] for s in slices]
         self.chips = [s["chips"] for s in slices]
+        self.topologies = [str(s["topology"]) for s in slices]
+        self.joint = joint  # the slices are one JAX world: an array may span several
+        # A session's slice that was lost keeps its index (its devices, slice_index)
+        # until a replacement of its shape joins the session in its place.
+        self.lost: dict[int, BaseException] = {}
+        self._used = set(self.slice_names)  # every name that backed an index
         self._arrays: dict[int, ProxyArray | BaseException] = {}
         self._deleted: set[int] = set()  # deleted (DeleteArray), not yet destructed
 
@@ -122,7 +135,56 @@ class ArrayTable:
         self._deleted.clear()
 
     def place(self, sharding: ProxySharding, ndim: int) -> Placed:
-        return place(sharding, ndim, self.devices, self.chips)
+        return place(sharding, ndim, self.devices, self.chips, joint=self.joint)
+
+    def target(self, slices: tuple[int, ...]) -> str | list[str]:
+        """What the client's calls take as ``slice=``: a slice's name, or a list of names
+        (its multislice group of them). A lost slice is backed by its replacement once
+        one has joined."""
+        for i in slices:
+            if i in self.lost:
+                self._revive(i)
+        names = [self.slice_names[s] for s in slices]
+        return names[0] if len(names) == 1 else names
+
+    def note_lost(self, e: BaseException) -> None:
+        """Slice ``e.slice`` (a ``SliceLost``) was lost: ask the controller for one like
+        it, which it reserves in the background as soon as the cluster has one free."""
+        name = getattr(e, "slice", None)
+        if name not in self.slice_names:
+            return
+        i = self.slice_names.index(name)
+        if i not in self.lost:
+            self.lost[i] = e
+            logger.warning("slice %s (index %d) was lost; a replacement is asked for", name, i)
+            try:
+                self.client.request_slices(len(self.lost))
+            except (ValueError, PathwaysError) as refused:  # a lease cannot grow
+                logger.info("no replacement for slice %s: %s", name, refused)
+
+    def _revive(self, i: int) -> bool:
+        """Back lost slice ``i`` by a replacement of its shape that joined the client."""
+        try:
+            self.client.refresh_slices()
+        except PathwaysError:
+            return False
+        for s in self.client.slices:
+            if s.name not in self._used and str(s.topology) == self.topologies[i]:
+                logger.warning("slice %s takes the place of lost slice %s (index %d)",
+                               s.name, self.slice_names[i], i)
+                self.slice_names[i] = s.name
+                self._used.add(s.name)
+                del self.lost[i]
+                return True
+        return False
+
+    def name(self, slices: tuple[int, ...]) -> str:
+        """The client's placement name of ``slices`` (a slice, or its group of them)."""
+        return self.client.slice(self.target(slices)).name
+
+    def describe(self, slices: tuple[int, ...]) -> str:
+        return (f"slice {self.slice_names[slices[0]]}" if len(slices) == 1 else
+                "slices " + ", ".join(self.slice_names[s] for s in slices))
 
     # ---- making arrays ---------------------------------------------------------------
     def from_host(self, data: np.ndarray, sharding: ProxySharding) -> ProxyArray:
@@ -137,7 +199,7 @@ class ArrayTable:
 
     def _put(self, data: np.ndarray, placed: Placed) -> RemoteArray:
         return self.client.device_put(data, Layout(placed.mesh, placed.spec),
-                                      slice=self.slice_names[placed.slice_index])
+                                      slice=self.target(placed.slices))
 
     def assemble(self, parts: list[ProxyArray], shape: tuple[int, ...], dtype: np.dtype,
                  sharding: ProxySharding) -> ProxyArray:
@@ -150,7 +212,7 @@ class ArrayTable:
                                   f"{len(sharding.device_ids)} devices")
         arr = ProxyArray(tuple(shape), np.dtype(dtype), placed, sharding.device_ids,
                          sharding.op)
-        blocks = arr.blocks(self.devices)
+        blocks = arr.blocks(self.devices, self.chips)
         for i, (index, part) in enumerate(zip(blocks, parts, strict=True)):
             want = tuple(s.stop - s.start for s in index)
             if tuple(part.shape) != want or part.dtype != arr.dtype:
@@ -179,31 +241,35 @@ class ArrayTable:
         if arr.single:  # itself (a shard view stays a view)
             return [replace(arr)]
         out = []
-        for d, index in zip(arr.device_ids, arr.blocks(self.devices), strict=True):
+        for d, index in zip(arr.device_ids, arr.blocks(self.devices, self.chips), strict=True):
             one = ProxyArray(tuple(s.stop - s.start for s in index), arr.dtype,
-                             self._one(arr.placed.slice_index, len(index), d),
-                             (d,))
-            if arr.single or self._replicated(arr):
-                one.remote, one.host, one.cached = arr.remote, arr.host, arr.cached
-            else:
-                one.parent, one.index = arr, index
+                             self._one(len(index), d), (d,))
+            self._share(arr, one, index)
             out.append(one)
         return out
+
+    def _share(self, arr: ProxyArray, one: ProxyArray, index: tuple[slice, ...]) -> None:
+        """One device's part of ``arr``: ``arr`` itself where it is replicated on the same
+        slice; else a view of it, read from the chip that holds it when needed."""
+        if self._replicated(arr) and arr.placed.slices == one.placed.slices:
+            one.remote, one.host, one.cached = arr.remote, arr.host, arr.cached
+        else:
+            one.parent, one.index = arr, index
 
     def fully_replicated_shard(self, arr: ProxyArray) -> ProxyArray:
         if arr.single:
             return replace(arr)
         if not self._replicated(arr):
             raise InvalidArgument("fully_replicated_shard of an array that is not replicated")
-        one = ProxyArray(arr.shape, arr.dtype,
-                         self._one(arr.placed.slice_index, len(arr.shape), arr.device_ids[0]),
+        one = ProxyArray(arr.shape, arr.dtype, self._one(len(arr.shape), arr.device_ids[0]),
                          arr.device_ids[:1])
-        one.remote, one.host, one.cached = arr.remote, arr.host, arr.cached
+        self._share(arr, one, tuple(slice(0, n) for n in arr.shape))
         return one
 
-    def _one(self, slice_index: int, ndim: int, device: int) -> Placed:
-        """A one-device array: on every chip of its slice once on the chips."""
-        return Placed(slice_index, *replicated(self.chips[slice_index], ndim), device=device)
+    def _one(self, ndim: int, device: int) -> Placed:
+        """A one-device array: on every chip of its device's slice once on the chips."""
+        s = self.devices[device].slice_index
+        return Placed((s,), *replicated(self.chips[s], ndim), device=device)
 
     @staticmethod
     def _replicated(arr: ProxyArray) -> bool:
@@ -220,26 +286,36 @@ class ArrayTable:
         arr.cached = arr.remote.fetch(timeout_s)
         return arr.cached
 
-    def on_chips(self, arr: ProxyArray, slice_index: int) -> RemoteArray:
-        """``arr`` on the chips of slice ``slice_index``, as a program there reads it."""
-        if arr.placed.slice_index != slice_index:
-            raise InvalidArgument(
-                f"an argument is on slice {self.slice_names[arr.placed.slice_index]}, the "
-                f"program runs on {self.slice_names[slice_index]}: device_put it there first")
-        if arr.remote is not None:
+    def on_chips(self, arr: ProxyArray, slices: tuple[int, ...]) -> RemoteArray:
+        """``arr`` on the chips of ``slices``, as a program there reads it: where it lives,
+        or (a one-device array) a copy on every chip of them."""
+        if arr.placed.slices == slices and arr.remote is not None:
             return arr.remote
-        logger.debug("putting a %s %s array on slice %s", arr.dtype, arr.shape,
-                     self.slice_names[slice_index])
-        mesh, spec = replicated(self.chips[slice_index], len(arr.shape))
-        arr.remote = self.client.device_put(self.to_host(arr), Layout(mesh, spec),
-                                            slice=self.slice_names[slice_index])
-        return arr.remote
+        if not arr.single or not set(arr.placed.slices) <= set(slices):
+            raise InvalidArgument(
+                f"an argument is on {self.describe(arr.placed.slices)}, the program runs on "
+                f"{self.describe(slices)}: device_put it there first")
+        if arr.placed.slices == slices:
+            target = arr  # its own slice: the copy is the array's own
+        elif slices in arr.copies:
+            return arr.copies[slices]
+        else:
+            target = None
+        logger.debug("putting a %s %s array on %s", arr.dtype, arr.shape, self.describe(slices))
+        mesh, spec = replicated(sum(self.chips[s] for s in slices), len(arr.shape))
+        remote = self.client.device_put(self.to_host(arr), Layout(mesh, spec),
+                                        slice=self.target(slices))
+        if target is None:
+            arr.copies[slices] = remote
+        else:
+            arr.remote = remote
+        return remote
 
     def copy(self, arr: ProxyArray, device_ids: tuple[int, ...]) -> ProxyArray:
         """``arr`` with the same sharding on other devices (another slice: chip to chip)."""
         if len(device_ids) != len(arr.device_ids):
             raise InvalidArgument(f"copying an array on {len(arr.device_ids)} devices to "
-                             f"{len(device_ids)} devices")
+                                  f"{len(device_ids)} devices")
         return self.reshard(arr, ProxySharding(tuple(device_ids), arr.op))
 
     def reshard(self, arr: ProxyArray, sharding: ProxySharding) -> ProxyArray:
@@ -255,7 +331,7 @@ class ArrayTable:
                 out.remote = self._put(data, placed)
         else:
             out.remote = self.client.reshard(arr.remote, Layout(placed.mesh, placed.spec),
-                                             slice=self.slice_names[placed.slice_index])
+                                             slice=self.target(placed.slices))
         return out
 
     def ready(self, arrays: list[ProxyArray], timeout_s: float | None = None) -> None:

@@ -1,10 +1,11 @@
 """A session's programs: ``Compile`` of the StableHLO module JAX sends, on the chips of
-the slice its devices are (``HloProgram``), and ``Execute`` of it on the session's
+the slices its devices are on (``HloProgram``), and ``Execute`` of it on the session's
 arrays through the client's command streams.
 
-A program runs on one slice: on all of its chips (a mesh of that slice's devices),
-or on one device (run on every chip of that device's slice, each on its own copy of
-the inputs, so its results are where the slice's next program needs them). Different
+A program runs on all chips of one slice, or of several slices of the session's one
+JAX world (a mesh across slices: collectives between them over DCN, gloo here), or
+on one device (run on every chip of that device's slice, each on its own copy of the
+inputs, so its results are where the slice's next program needs them). Different
 programs on different slices run at the same time: one client, many slices (MPMD).
 """
 
@@ -26,26 +27,29 @@ from pathways_ray.proxy.errors import InvalidArgument, Unimplemented
 from pathways_ray.proxy.program_parser import ProgramParser
 from pathways_ray.proxy.protos import xla_python_pjrt_ifrt_xla_compiler_pb2 as xla_compiler_pb2
 from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
-from pathways_ray.proxy.types import Placed
+from pathways_ray.proxy.types import Placed, group_ranks
 
 if TYPE_CHECKING:
     from pathways_ray.proxy.arrays import ArrayTable
 
-__all__ = ["Executable", "compile_program", "execute"]
+__all__ = ["Executable", "compile_program", "execute", "prepare"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Executable:
-    """A compiled program of the session: where it runs and what it returns."""
+    """A compiled program of the session: where it runs and what it returns. It is
+    compiled on what backs its slices when asked (``placed_on``); a slice that was lost
+    and came back is backed by its replacement, and the program compiles there again."""
 
     program: Program
     hlo: HloProgram
     signature: HloSignature | None  # None: its slice was lost before it compiled
-    slice_index: int
+    slices: tuple[int, ...]  # the session's slices it runs on
     device_ids: tuple[int, ...]  # the client's devices, in its partition order
     lost: SliceLost | None = None
+    placed_on: str = ""  # the client's placement it was compiled for
 
     @property
     def single(self) -> bool:
@@ -78,40 +82,54 @@ def compile_program(table: ArrayTable, parser: ProgramParser, program_bytes: byt
         if not 0 <= d < len(devices):
             raise InvalidArgument(f"the program is for device {d}; this session has "
                                   f"{len(devices)} devices (0..{len(devices) - 1})")
-    slices = sorted({devices[d].slice_index for d in device_ids})
-    if len(slices) > 1:
+    slices = tuple(sorted({devices[d].slice_index for d in device_ids}))
+    if len(slices) > 1 and not table.joint:
         raise InvalidArgument(
-            f"the program spans devices of slices "
-            f"{[table.slice_names[s] for s in slices]}: a program runs on one slice here "
-            f"(meshes across slices are not served yet); put each program's arrays on one "
-            f"slice's devices")
-    s = slices[0]
-    ranks = tuple(devices[d].rank for d in device_ids) if len(device_ids) > 1 else ()
-    if ranks and sorted(ranks) != list(range(table.chips[s])):
-        raise InvalidArgument(f"the program runs on {len(ranks)} of the {table.chips[s]} chips "
-                              f"of slice {table.slice_names[s]}: a program here runs on one "
-                              f"device or on all chips of a slice")
+            f"the program spans devices of slices {[table.slice_names[s] for s in slices]}, "
+            f"which are separate JAX worlds in this session (slices leased from a shared "
+            f"service): put each program's arrays on one slice's devices")
+    first = group_ranks(slices, table.chips)
+    chips = sum(table.chips[s] for s in slices)
+    ranks = (tuple(first[devices[d].slice_index] + devices[d].rank for d in device_ids)
+             if len(device_ids) > 1 else ())
+    if ranks and sorted(ranks) != list(range(chips)):
+        raise InvalidArgument(f"the program runs on {len(ranks)} of the {chips} chips of "
+                              f"{table.describe(slices)}: a program here runs on one device or "
+                              f"on all chips of its slices")
     name, out_shapes = parser.signature(program_bytes)
     hlo = HloProgram(name, program_bytes, options.SerializeToString(), ranks, tuple(out_shapes))
-    chips = table.chips[s]
     program = Program(hlo.fingerprint, name, MeshShape(("chips",), (chips,)), (), (), (),
                       hlo.blob)
+    exe = Executable(program, hlo, None, slices, device_ids)
+    prepare(table, exe, timeout_s)
+    return exe
+
+
+def prepare(table: ArrayTable, exe: Executable, timeout_s: float | None = None) -> None:
+    """Compile ``exe`` on what backs its slices now, unless it is compiled there; a lost
+    slice leaves it holding that ``SliceLost`` (raised by its runs), as a Pathways
+    server accepts a program for a lost slice and fails its runs with DATA_LOSS
+    (pathwaysutils' slice health check compiles for every slice and reads the runs)."""
     try:
-        status = table.client._compile(program, table.slice_names[s])
+        where = table.name(exe.slices)
+        if exe.placed_on == where and exe.lost is None:
+            return
+        status = table.client._compile(exe.program, where)
         signature = HloSignature.from_bytes(
             table.client._fetch_local(status, 0, timeout_s).tobytes())
     except SliceLost as e:
-        # As a Pathways server does: the program is accepted, and each run of it fails
-        # with DATA_LOSS (pathwaysutils' slice health check compiles for every slice
-        # and looks for that word in the runs' errors).
-        logger.warning("compiling %s: %s", name, e)
-        return Executable(program, hlo, None, s, device_ids, lost=e)
+        logger.warning("compiling %s: %s", exe.program.fun_name, e)
+        exe.lost = e
+        return
     out_sigs = tuple(ArgSignature(shape, dtype, spec, mesh) for (shape, dtype), (mesh, spec)
-                     in zip(out_shapes, signature.out_layouts, strict=True))
-    logger.info("compiled %s for %s on slice %s: %d in, %d out shardings, %d out shapes", name,
-                "one device" if not ranks else f"{len(ranks)} chips", table.slice_names[s],
-                len(signature.in_shardings), len(signature.out_shardings), len(out_shapes))
-    return Executable(replace(program, out_sigs=out_sigs), hlo, signature, s, device_ids)
+                     in zip(exe.hlo.out_shapes, signature.out_layouts, strict=True))
+    exe.program = replace(exe.program, out_sigs=out_sigs)
+    exe.signature, exe.lost, exe.placed_on = signature, None, where
+    logger.info("compiled %s for %s on %s: %d in, %d out shardings, %d out shapes",
+                exe.program.fun_name,
+                "one device" if exe.single else f"{len(exe.hlo.ranks)} chips",
+                table.describe(exe.slices), len(signature.in_shardings),
+                len(signature.out_shardings), len(exe.hlo.out_shapes))
 
 
 def execute(table: ArrayTable, exe: Executable, args: list[ProxyArray]) -> list[ProxyArray]:
@@ -119,20 +137,21 @@ def execute(table: ArrayTable, exe: Executable, args: list[ProxyArray]) -> list[
     ``SliceLost`` if its slice is gone."""
     import jax
 
+    prepare(table, exe)  # a slice that came back: compiled there first
     if exe.lost is not None:
         raise exe.lost
 
-    remote = [table.on_chips(a, exe.slice_index) for a in args]
+    remote = [table.on_chips(a, exe.slices) for a in args]
     n = len(exe.program.out_sigs)
     outs = table.client._run(exe.program, jax.tree.structure([0] * n), remote, checked=True,
-                             target=table.slice_names[exe.slice_index])
+                             target=exe.placed_on)
     results = []
     for i, (out, sig) in enumerate(zip(outs, exe.program.out_sigs, strict=True)):
         if exe.single:
-            placed = Placed(exe.slice_index, sig.mesh, sig.spec, device=exe.device_ids[0])
+            placed = Placed(exe.slices, sig.mesh, sig.spec, device=exe.device_ids[0])
             op = None
         else:
-            placed = Placed(exe.slice_index, sig.mesh, sig.spec)
+            placed = Placed(exe.slices, sig.mesh, sig.spec)
             op = xla_data_pb2.OpSharding.FromString(exe.signature.out_shardings[i])
         results.append(ProxyArray(tuple(sig.shape), np.dtype(sig.dtype), placed,
                                   exe.device_ids, op, remote=out))

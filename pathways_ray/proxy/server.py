@@ -63,6 +63,13 @@ MAX_MESSAGE_BYTES = 1 << 30  # a program, or a chunk of a host buffer
 INIT_TIMEOUT_S = 60.0  # a stream that sends no InitRequest in this long is closed
 REFUSAL_WAIT_S = 5.0  # how long a refused stream may take to send its InitRequest
 LOOKUP_TIMEOUT_S = 60.0  # a host buffer asked for before it is stored is waited for
+# Calls gRPC holds for the server before a handler takes them up. jaxlib's client sends
+# every device_put as a HostBufferStore call of its own, with no limit; past gRPC's
+# default of 1,000 such calls new ones are cancelled at random (at 3,000 all of them),
+# and jaxlib drops the whole session on one cancelled store (measured: 2,000 queued put
+# pairs). What a held call costs the server is its headers and at most its HTTP/2
+# flow-control window of data; the rest waits on the client.
+MAX_PENDING_CALLS = 1 << 20
 
 
 class Malformed:
@@ -319,13 +326,18 @@ class ProxyServer:
             raise ValueError(f"host={host!r} serves the network: give token=... (the "
                              f"CLI makes one), so that only its holders get a session")
         self.token = token
-        self._service = _Service(lambda: connect(slices, service=service), token,
-                                 host_buffer_timeout_s)
+        # A session's own slices are one JAX world (a mesh may span them, and survives
+        # losing one); a lease's are separate worlds.
+        joint = service is None and len(slices or []) > 1
+        self._service = _Service(lambda: connect(slices, service=service, multislice=joint),
+                                 token, host_buffer_timeout_s)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers,
                                        thread_name_prefix="pathways-ray-proxy"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                     ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)])
         _register(self._service, self._server)
         self.host = host
         self.port = self._server.add_insecure_port(f"{host}:{port}")

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import threading
 from collections.abc import Callable
 from concurrent import futures
 
 import numpy as np
 
+from pathways_ray.clusters.cluster import slice_order
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.errors import PathwaysError, SliceLost
 from pathways_ray.proxy import programs
@@ -63,11 +63,6 @@ def _pairs(a, b, what: str) -> zip:
     if len(a) != len(b):
         raise InvalidArgument(f"{what}: {len(a)} and {len(b)} are not the same number")
     return zip(a, b, strict=True)
-
-
-def _natural(name: str) -> tuple:
-    """Slice names in their numbers' order: v6e-2x2-2 before v6e-2x2-10."""
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
 class Session(ProgramRequests):
@@ -180,6 +175,8 @@ class Session(ProgramRequests):
             else:
                 handler(getattr(request, kind), response)
         except BaseException as e:  # noqa: BLE001 - the client must get the error, not a cut
+            if isinstance(e, SliceLost) and self.arrays is not None:
+                self.arrays.note_lost(e)
             code, message = status_of(e, kind or "a request")
             log = logger.warning if code in (INTERNAL, DATA_LOSS) else logger.info
             log("session %d: %s failed: %s", self.number, kind, message.splitlines()[0])
@@ -229,9 +226,10 @@ class Session(ProgramRequests):
                     raise Unavailable(f"the session's slices could not be had: {e}") from e
                 slices = sorted(({**d, "topology": Topology.of(d["topology"])}
                                  for d in self.client.describe()),
-                                key=lambda d: _natural(d["name"]))
+                                key=lambda d: slice_order(d["name"]))
                 self.devices = plan_devices(slices)
-                self.arrays = ArrayTable(self.client, self.devices, slices)
+                joint = len(slices) > 1 and all(d.get("joint") for d in slices)
+                self.arrays = ArrayTable(self.client, self.devices, slices, joint=joint)
                 logger.info("session %d: %d devices on %s", self.number, len(self.devices),
                             ", ".join(d["name"] for d in slices))
         response.init_response.CopyFrom(init_response(self.id, self.devices))

@@ -2,9 +2,10 @@
 where a sharding puts an array on the session's slices. Pure: protobuf and numpy.
 
 A sharding names devices of the session (``devices.ProxyDevice``); an array lives on
-one slice, on all of its chips (a layout: ``MeshShape`` and spec, any tile
-assignment XLA makes) or on one device. A one-device array is kept on every chip of
-its device's slice, so that the slice's programs can use it where they run.
+all chips of one slice, or of several slices of one JAX world (a layout: ``MeshShape``
+and spec, any tile assignment XLA makes, over those chips slice after slice), or on
+one device. A one-device array is kept on every chip of its device's slice, so that
+the slice's programs can use it where they run.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from pathways_ray.proxy.protos import xla_python_ifrt_sharding_serdes_pb2 as ser
 from pathways_ray.proxy.protos import xla_python_pjrt_ifrt_xla_sharding_pb2 as xla_sharding_pb2
 from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
 
-__all__ = ["Placed", "ProxySharding", "dtype_of", "dtype_proto", "parse_sharding", "place",
-           "hlo_sharding_proto"]
+__all__ = ["Placed", "ProxySharding", "dtype_of", "dtype_proto", "group_ranks",
+           "hlo_sharding_proto", "parse_sharding", "place"]
 
 _NUMPY = {"PRED": "bool", "S8": "int8", "S16": "int16", "S32": "int32", "S64": "int64",
           "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16",
@@ -117,31 +118,38 @@ def hlo_sharding_proto(device_ids: Sequence[int], op_bytes: bytes | None,
 
 @dataclass(frozen=True)
 class Placed:
-    """Where a sharding puts an array: slice ``slice_index``, with ``layout`` over all of
-    its chips; ``device`` set for a one-device array (kept on every chip)."""
+    """Where a sharding puts an array: on the session's slices ``slices`` (one, or
+    several of one JAX world), with a layout over all of their chips, slice after slice
+    in rank order; ``device`` set for a one-device array (kept on every chip of its
+    slice)."""
 
-    slice_index: int
+    slices: tuple[int, ...]
     mesh: MeshShape
     spec: Spec
     device: int | None = None
 
 
+def group_ranks(slices: Sequence[int], chips: Sequence[int]) -> dict[int, int]:
+    """Slice index -> the rank of its first chip among the chips of ``slices`` (slice
+    after slice, in the order given)."""
+    out, offset = {}, 0
+    for s in slices:
+        out[s] = offset
+        offset += chips[s]
+    return out
+
+
 def place(sharding: ProxySharding, ndim: int, devices: Sequence[ProxyDevice],
-          chips: Sequence[int]) -> Placed:
+          chips: Sequence[int], *, joint: bool = True) -> Placed:
     """``sharding`` of an ``ndim``-dimensional array on the session's ``devices``; its
-    slices have ``chips[i]`` chips. ``InvalidArgument`` naming what cannot be placed: an
-    unknown device, devices of several slices, some of a slice's chips."""
+    slices have ``chips[i]`` chips, one JAX world when ``joint``. ``InvalidArgument``
+    naming what cannot be placed: an unknown device, devices of several slices of
+    separate worlds, some of a slice's chips."""
     for d in sharding.device_ids:
         if not 0 <= d < len(devices):
             raise InvalidArgument(f"device {d} is not one of this session's {len(devices)} "
                                   f"devices (0..{len(devices) - 1})")
-    slices = sorted({devices[d].slice_index for d in sharding.device_ids})
-    if len(slices) != 1:
-        raise InvalidArgument(
-            f"the sharding spans devices of slices {slices} "
-            f"({', '.join(devices[d].slice_name for d in sharding.device_ids[:1])}, ...): an "
-            f"array lives on one slice here; meshes across slices are not served yet")
-    s = slices[0]
+    slices = tuple(sorted({devices[d].slice_index for d in sharding.device_ids}))
     op = sharding.op
     if op is not None and _kind(op) == MAXIMAL:  # all of it on one of the devices
         if not (op.tile_assignment_devices
@@ -150,19 +158,30 @@ def place(sharding: ProxySharding, ndim: int, devices: Sequence[ProxyDevice],
                                   f"{list(op.tile_assignment_devices)[:1]} is not one of its "
                                   f"{len(sharding.device_ids)} devices")
         device = sharding.device_ids[int(op.tile_assignment_devices[0])]
-        return Placed(s, *replicated(chips[s], ndim), device=device)
+        s = devices[device].slice_index
+        return Placed((s,), *replicated(chips[s], ndim), device=device)
     if len(sharding.device_ids) == 1:
-        return Placed(s, *replicated(chips[s], ndim), device=sharding.device_ids[0])
-    ranks = [devices[d].rank for d in sharding.device_ids]
+        device = sharding.device_ids[0]
+        s = devices[device].slice_index
+        return Placed((s,), *replicated(chips[s], ndim), device=device)
+    if len(slices) > 1 and not joint:
+        raise InvalidArgument(
+            f"the sharding spans devices of slices "
+            f"{sorted({devices[d].slice_name for d in sharding.device_ids})}, which are "
+            f"separate JAX worlds in this session (slices leased from a shared service): "
+            f"put each array on one slice's devices")
+    first = group_ranks(slices, chips)
+    ranks = [first[devices[d].slice_index] + devices[d].rank for d in sharding.device_ids]
+    total = sum(chips[s] for s in slices)
     if op is None or _kind(op) == REPLICATED:
-        if sorted(ranks) != list(range(chips[s])):
+        if sorted(ranks) != list(range(total)):
             raise InvalidArgument(
-                f"the sharding replicates over chips {sorted(ranks)} of slice "
-                f"{devices[sharding.device_ids[0]].slice_name}, which has {chips[s]}: arrays "
-                f"here are on all of a slice's chips or on one")
-        return Placed(s, *replicated(chips[s], ndim))
+                f"the sharding replicates over {len(ranks)} of the {total} chips of slices "
+                f"{sorted({devices[d].slice_name for d in sharding.device_ids})}: arrays "
+                f"here are on all chips of their slices or on one")
+        return Placed(slices, *replicated(total, ndim))
     try:
-        return Placed(s, *layout_of(op, ranks, ndim, chips[s]))
+        return Placed(slices, *layout_of(op, ranks, ndim, total))
     except (ValueError, IndexError) as e:  # a tiling that fits neither array nor slice
         raise InvalidArgument(f"the sharding is not a layout of a {ndim}-dimensional array "
-                              f"on the slice's chips: {e}") from None
+                              f"on its slices' chips: {e}") from None

@@ -22,8 +22,32 @@ from typing import Any
 
 from pathways_ray.programs.sharding import MeshShape, Spec
 
-__all__ = ["Command", "Compile", "Free", "Hold", "HostCall", "Load", "Put", "Reshard", "Restore",
-           "Run", "Save", "placed"]
+__all__ = ["Command", "Compile", "Free", "Hold", "HostCall", "Inline", "Load", "Put", "Reshard",
+           "Restore", "Run", "Save", "Where", "devices_of", "placed", "position"]
+
+# A put of at most this many bytes (its distinct blocks) travels inside its command.
+INLINE_BYTES = 64 << 10
+
+# Where a command's placement is in the JAX world: the first of a run of its devices, or,
+# for slices that are not side by side in the world (the survivors of a lost one), all
+# of its devices' ids in order.
+Where = int | tuple[int, ...]
+
+
+def devices_of(start: Where, size: int) -> tuple[int, ...]:
+    """The world device ids of a placement of ``size`` devices at ``start``."""
+    if isinstance(start, tuple):
+        if len(start) != size:
+            raise ValueError(f"a placement of {len(start)} devices for a mesh of {size}")
+        return start
+    return tuple(range(start, start + size))
+
+
+def position(start: Where, rank: int) -> int:
+    """Where world device ``rank`` is in the placement at ``start`` (-1: not in it)."""
+    if isinstance(start, tuple):
+        return start.index(rank) if rank in start else -1
+    return rank - start
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +67,18 @@ class Load:
 
 
 @dataclass(frozen=True, slots=True)
+class Inline:
+    """A small put's data, carried in the command itself (``INLINE_BYTES`` at most):
+    its distinct blocks, and which block each chip of the placement takes. The same
+    bytes reach every chip of the slice in the one batch they all read, with no object
+    in Ray's store and no call per chip (a put of a few KiB cost 8 ``ray.put``s and
+    8 actor calls on a group of 8 chips: ~70% of a small training step's dispatch)."""
+
+    blocks: tuple  # np.ndarray each
+    of_rank: tuple[int, ...]  # rank in the placement -> block
+
+
+@dataclass(frozen=True, slots=True)
 class Put:
     """Assemble this chip's shard of a new buffer from pieces of host arrays.
 
@@ -50,7 +86,8 @@ class Put:
     travel from the client to the controller only: the controller hands each
     chip its own by Ray call (so Ray tracks the refs) and forwards the command
     without them. Pulls from another slice's chips (``pull.Pull``, a cross-slice
-    reshard) are no refs: they stay in the command, and each chip takes its own.
+    reshard) and a small put's ``Inline`` data are no refs: they stay in the command,
+    and each chip takes its own.
     """
 
     buffer: int
