@@ -16,8 +16,12 @@ def unique_program(v):
     return jnp.cos(v) * 1.2345 + 0.5  # its own constants: a cache key of its own
 
 
+SLICE = "v6e-2x2-0"  # on the emulated fleet a slice keeps its own entries (chips/world.py)
+
+
 def run(cache: str) -> list[dict]:
-    """Connect, run the program once on slice 0, return each chip's cache counters."""
+    """Connect, run the program once on slice ``SLICE`` (the test's fleet and the fresh
+    one both have it), return each chip's cache counters."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -26,10 +30,11 @@ def run(cache: str) -> list[dict]:
     c = connect(compilation_cache_dir=cache)
     try:
         mesh = c.mesh((4,), ("data",))
-        x = c.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("data")), slice=0)
+        x = c.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("data")),
+                         slice=SLICE)
         out = c.jit(unique_program)(x).fetch()
         np.testing.assert_allclose(out, np.cos(1.0) * 1.2345 + 0.5, rtol=1e-6)
-        return [w["compile_cache"] for w in c.stats()[c.slices[0].name]["workers"]]
+        return [w["compile_cache"] for w in c.stats()[SLICE]["workers"]]
     finally:
         c.close()
 

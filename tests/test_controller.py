@@ -532,7 +532,8 @@ def test_a_profile_of_5_steps_on_2_slices_is_one_trace_of_every_chip(client, mes
 
 def test_persistent_compilation_cache(client, tmp_path):
     """A program compiled once is stored in the cache directory; a second client in a new
-    process, on a fresh fleet of its own, loads it instead of compiling: every chip counts
+    process, on a fresh fleet of its own, loads it on the same slice (an emulated slice
+    keeps its own entries) instead of compiling: every chip counts
     hits and no misses (JAX's own monitoring events), and no new entries appear.
     ``pathways-ray cache clear`` empties it and the next run misses on every chip.
     Runs last: it closes the module's client."""
