@@ -20,9 +20,8 @@ import time
 
 import ray
 
-from pathways_ray.chips.carry import CarriedBuffers
 from pathways_ray.chips.executor import Executor
-from pathways_ray.chips.shards import Shards
+from pathways_ray.chips.shards import CarriedBuffers, Shards
 from pathways_ray.chips.worker_env import (
     ChipInfo,
 )

@@ -28,9 +28,10 @@ from pathways_ray.chips.chip_worker import ChipWorker
 from pathways_ray.chips.handles import SidecarInfo, SliceWorker, _get, ping_all
 from pathways_ray.chips.worker_env import rank_order
 from pathways_ray.clusters import registry
-from pathways_ray.clusters.cluster import cluster_slices, describe_capacity, slice_order
+from pathways_ray.clusters.cluster import cluster_slices, describe_capacity
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import NAMESPACE, TIMEOUTS
+from pathways_ray.controller.worlds import form_world
 from pathways_ray.errors import ReservationTimeout, WaitTimeout, WorkerDied
 from pathways_ray.transport.channel import listening
 
@@ -65,7 +66,7 @@ class Slice:
         self.borrowed = False  # lent by a shared service, which keeps the reservation
         self.listeners: list[tuple[str, int]] = []  # each rank's command server (health)
         # A world of several slices whose coordination service is off the chips (see
-        # world_service.py): it outlives any one of them. None: the slice's own world.
+        # controller/worlds.py): it outlives any one of them. None: the slice's own world.
         self.world_service = None
 
     # ---- lending (a shared service's pool, service.py) --------------------------------
@@ -106,7 +107,7 @@ class Slice:
         (default ``$PATHWAYS_RAY_WORKER_START_TIMEOUT_S`` or 180 s).
         ``compilation_cache_dir`` (a path every host sees) turns on JAX's persistent
         compilation cache on every chip. ``join_world=False`` starts the workers
-        without a JAX world (``reserve_joint`` then joins several slices in one).
+        without a JAX world (``worlds.reserve_joint`` then joins several slices in one).
         ``worker_cls`` replaces ``ChipWorker`` (a subclass, e.g. ``testing.DebugChipWorker``).
         """
         import ray
@@ -161,7 +162,7 @@ class Slice:
                                          worker_timeout_s, handles)
             sl = cls(topo, spg, workers, [])
             if join_world:
-                cls._init_world([sl], worker_timeout_s, compilation_cache_dir)
+                form_world([sl], worker_timeout_s, compilation_cache_dir)
         except BaseException:
             for h in handles:
                 ray.kill(h)
@@ -172,50 +173,6 @@ class Slice:
             logger.info("slice %s ready: %d chip workers in %.1fs", sl.name, len(workers),
                         time.monotonic() - t0)
         return sl
-
-    @classmethod
-    def reserve_joint(cls, topologies: Sequence[Topology | str], *,
-                      timeout_s: float | None = None, worker_timeout_s: float | None = None,
-                      compilation_cache_dir: str | None = None,
-                      worker_cls: type | None = None) -> list[Slice]:
-        """Reserve several slices whose chips form one JAX world (multislice).
-
-        Each slice still runs its own programs on its own devices; a program
-        over a mesh spanning them runs on all, with collectives between slices
-        (DCN on TPU, gloo here). On the emulated fleet the world's coordination
-        service runs in this process (``WorldService``, shared by the slices as
-        ``world_service``; the caller shuts it down once they are released), so a
-        lost slice leaves the others running; on TPUs the world lives and dies as
-        one, as any multislice job does over DCN.
-        """
-        from concurrent.futures import ThreadPoolExecutor
-
-        slices: list[Slice] = []
-        try:
-            # Side by side: each slice's chip workers start and import JAX at once.
-            with ThreadPoolExecutor(len(topologies),
-                                    thread_name_prefix="pathways-ray-reserve") as pool:
-                futures = [pool.submit(cls.reserve, spec, timeout_s=timeout_s,
-                                       worker_timeout_s=worker_timeout_s, join_world=False,
-                                       worker_cls=worker_cls) for spec in topologies]
-            slices = [f.result() for f in futures if f.exception() is None]
-            failed = next((f.exception() for f in futures if f.exception() is not None), None)
-            if failed is not None:
-                raise failed
-            # The world's order is the names' (the proxy's devices and the client's
-            # groups follow it), whichever slice each shape's reservation got.
-            slices.sort(key=lambda sl: slice_order(sl.name))
-            cls._init_world(slices, worker_timeout_s or TIMEOUTS["worker_start"].seconds(),
-                            compilation_cache_dir)
-        except BaseException:
-            for sl in slices:
-                sl.shutdown()
-            if slices and slices[0].world_service is not None:
-                slices[0].world_service.shutdown()
-            raise
-        for sl in slices:
-            registry.register(sl)
-        return slices
 
     @staticmethod
     def _start_workers(pg, num_bundles: int, handle_id: str, worker_cls: type | None,
@@ -257,8 +214,8 @@ class Slice:
 
     def restart_workers(self, timeout_s: float, worker_cls: type | None = None) -> None:
         """Replace every chip worker with a new process in the same bundle (same chip,
-        same rank), outside any JAX world: the caller forms one (``_init_world``). The
-        old processes are killed, whatever they held is gone."""
+        same rank), outside any JAX world: the caller forms one (``worlds.form_world``).
+        The old processes are killed, whatever they held is gone."""
         import ray
 
         if self.borrowed or self._pg is None:
@@ -295,52 +252,6 @@ class Slice:
             f"Release a slice, add hosts of pod type {topo.pod_type}, or wait longer with "
             f"timeout_s= (or ${TIMEOUTS['reserve'].env})."
         )
-
-    @staticmethod
-    def _init_world(slices: list[Slice], timeout_s: float,
-                    compilation_cache_dir: str | None) -> None:
-        """One JAX world over the chips of ``slices``, slice after slice in rank order."""
-        from pathways_ray.chips.world_service import WorldService
-
-        workers = [w for sl in slices for w in sl.workers]
-        ports = _get([w.handle.reserve_port.remote() for w in workers], timeout_s,
-                     "reserving ports")
-        addresses = [f"{w.info.ip}:{p}" for w, p in zip(workers, ports, strict=True)]
-        coordinator = addresses[0]
-        outside = len(slices) > 1 and all(w.info.platform == "cpu" for w in workers)
-        if outside:
-            service = WorldService(len(workers))
-            coordinator = service.address
-            for sl in slices:
-                sl.world_service = service
-        refs, offset = [], 0
-        for sid, sl in enumerate(slices):
-            n = sl.num_chips
-            multislice = ((sid, len(slices), workers[0].info.ip) if len(slices) > 1 else None)
-            for w in sl.workers:
-                refs.append(w.handle.init_world.remote(
-                    coordinator=coordinator,
-                    num_processes=len(workers),
-                    rank=offset + w.rank,
-                    timeout_s=timeout_s,
-                    process_addresses=addresses[offset:offset + n],
-                    slice_shape=sl.topology.shape,
-                    compilation_cache_dir=compilation_cache_dir,
-                    slice_devices=(offset, n),
-                    multislice=multislice,
-                    service_outside=outside,
-                ))
-            sl.world_offset = offset
-            offset += n
-        world = _get(refs, timeout_s + 30, "initializing the JAX world")
-        for info in world:
-            if info["device_count"] != len(workers):
-                raise RuntimeError(
-                    f"rank {info['rank']} sees {info['device_count']} devices, the world has "
-                    f"{len(workers)} chips"
-                )
-        for sl in slices:
-            sl.world = world[sl.world_offset:sl.world_offset + sl.num_chips]
 
     # ---- running ---------------------------------------------------------------------
     @property

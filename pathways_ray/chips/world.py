@@ -46,7 +46,7 @@ class JaxWorld:
         The world is the slice's, or several slices' (``slice_devices`` = this
         slice's (first device, count) in it; ``multislice`` = (slice id, slices,
         DCN coordinator) on TPU). ``service_outside``: the world's coordination
-        service runs elsewhere (``world_service.WorldService``) and every chip, rank
+        service runs elsewhere (``controller.worlds.WorldService``) and every chip, rank
         0's too, joins it as a client, so that no slice's loss ends the others.
         """
         start, count = slice_devices or (0, num_processes)

@@ -33,7 +33,7 @@ from pathways_ray.observability.profile_trace import Event
 from pathways_ray.observability.profiling import PROFILE_ENV
 from pathways_ray.programs.program import Program
 from pathways_ray.programs.sharding import MeshShape, shard_slices, unique_shards
-from pathways_ray.transport.commands import INLINE_BYTES, Compile, Inline, Put, Run
+from pathways_ray.transport.commands import Compile, Put, Run, put_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -235,17 +235,8 @@ class Client(Results, Resharding):
             raise ValueError(f"the mesh {mesh.axis_names}={mesh.axis_sizes} has {mesh.size} "
                              f"devices; slice {target.name} has {target.chips} chips")
         index = shard_slices(x.shape, mesh, spec)
-        firsts = unique_shards(index)
-        blocks = {r: np.array(x[index[r]], order="C") for r in sorted(set(firsts))}  # (0-d too)
-        size = sum(b.nbytes for b in blocks.values())
+        pieces, size = put_pieces(x, index, unique_shards(index), mesh.size, ray.put)
         self.counters["put_bytes"] += size
-        if size <= INLINE_BYTES:  # in the command itself (commands.Inline)
-            order = {r: i for i, r in enumerate(blocks)}
-            pieces = Inline(tuple(blocks.values()), tuple(order[firsts[r]]
-                                                          for r in range(mesh.size)))
-        else:
-            refs = {r: ray.put(b) for r, b in blocks.items()}
-            pieces = [[(refs[firsts[r]], index[firsts[r]])] for r in range(mesh.size)]
         arr = RemoteArray(self, next(self._ids), target.name, x.shape, x.dtype, mesh, spec)
         self._queue.enqueue(target.name, Put(arr._id, tuple(x.shape), x.dtype.name, spec, mesh,
                                              pieces=pieces))

@@ -51,6 +51,7 @@ from pathways_ray.controller.reform import WorldReform
 from pathways_ray.controller.sidecars import SidecarCalls
 from pathways_ray.controller.streams import Streams
 from pathways_ray.controller.transfers import Transfers
+from pathways_ray.controller.worlds import reserve_joint
 from pathways_ray.errors import SliceLost
 from pathways_ray.transport.channel import CommandChannel
 from pathways_ray.transport.fanout import default_fanout
@@ -125,7 +126,7 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth, Wo
             if self._lease is not None:  # lent by a shared service, already running
                 got = [Slice.borrowed(lent) for lent in self._lease["slices"]]
             elif self.multislice:
-                got = Slice.reserve_joint(slices, **opts)
+                got = reserve_joint(slices, **opts)
                 self._world_service = got[0].world_service
             else:
                 got = reserve_all(slices, opts)

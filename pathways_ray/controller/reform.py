@@ -1,13 +1,13 @@
 """Re-forming a multislice JAX world to take a slice back (a mixin of ``Controller``).
 
-An emulated multislice world outlives a lost slice (``chips/world_service.py``): the
+An emulated multislice world outlives a lost slice (``controller/worlds.py``): the
 survivors keep running, alone or together. A slice that comes back (a replacement
 reserved by ``grow``) starts in a world of its own; the survivors' world cannot take
 its processes in (they keep the gloo cliques they had with the lost ones, under the
 same names). So the first placement that needs the replacement and the survivors
 together re-forms the world: every chip of the live slices gets a new process, in
 the same bundle, and all of them one new world; each chip's buffers are carried
-from its old process to its new one (``chips/carry.py``) with the sharding's device
+from its old process to its new one (``chips/shards.CarriedBuffers``) with the sharding's device
 ids renamed; programs are loaded again (compiled ones from the persistent
 compilation cache). The client's arrays keep their handles: nothing it holds on a
 live slice is lost (one that also lived on the lost slice stays failed).
@@ -22,9 +22,9 @@ import logging
 import time
 
 from pathways_ray import boundary
-from pathways_ray.chips.slice import Slice
 from pathways_ray.clusters.cluster import slice_order
 from pathways_ray.config import TIMEOUTS
+from pathways_ray.controller.worlds import form_world
 from pathways_ray.errors import WorkerDied
 
 logger = logging.getLogger("pathways_ray.controller.controller")
@@ -78,7 +78,7 @@ class WorldReform:
             # 3. One new world over all of them.
             for s in slices:
                 s.world_service = None
-            Slice._init_world(slices, worker_timeout_s, self._args[2])
+            form_world(slices, worker_timeout_s, self._args[2])
             for service in old_services.values():
                 service.shutdown()
             self._world_service = slices[0].world_service

@@ -294,3 +294,19 @@ def placed(cmd: Command, start: int) -> Command:
             return replace(cmd, start=start)
         case _:
             return cmd
+
+
+def put_pieces(x, index: list, firsts: list, n: int, put) -> tuple[Inline | list, int]:
+    """The pieces of a ``Put`` of host array ``x`` on ``n`` chips (``index[r]``: chip
+    ``r``'s block, ``firsts[r]``: the first chip with that block), and their bytes: in the
+    command itself when small (``Inline``), else one object per distinct block (``put``:
+    ``ray.put``)."""
+    import numpy as np
+
+    blocks = {r: np.array(x[index[r]], order="C") for r in sorted(set(firsts))}  # (0-d too)
+    size = sum(b.nbytes for b in blocks.values())
+    if size <= INLINE_BYTES:
+        order = {r: i for i, r in enumerate(blocks)}
+        return Inline(tuple(blocks.values()), tuple(order[firsts[r]] for r in range(n))), size
+    refs = {r: put(b) for r, b in blocks.items()}
+    return [[(refs[firsts[r]], index[firsts[r]])] for r in range(n)], size
