@@ -79,11 +79,17 @@ def test_a_sharding_is_placed_on_one_slice_or_refused_naming_why():
     devices = _devices()
     op = _tiled([4], reshape=[4], perm=[0])
     placed = place(ProxySharding((4, 5, 6, 7), op), 1, devices, [4, 4])
-    assert placed.slice_index == 1 and placed.device is None and placed.spec == (("d0",),)
+    assert placed.slices == (1,) and placed.device is None and placed.spec == (("d0",),)
     one = place(ProxySharding((6,)), 2, devices, [4, 4])
-    assert one.slice_index == 1 and one.device == 6 and one.spec == ((), ())
-    with pytest.raises(InvalidArgument, match=r"spans devices of slices \[0, 1\]"):
-        place(ProxySharding((2, 3, 4, 5), op), 1, devices, [4, 4])
+    assert one.slices == (1,) and one.device == 6 and one.spec == ((), ())
+    # Across both slices of one JAX world: one layout over their 8 chips.
+    across = place(ProxySharding(tuple(range(8)), _tiled([8], reshape=[8], perm=[0])), 1,
+                   devices, [4, 4])
+    assert across.slices == (0, 1) and across.device is None and across.mesh.size == 8
+    with pytest.raises(InvalidArgument, match=r"spans devices of slices .* separate JAX"):
+        place(ProxySharding((2, 3, 4, 5), op), 1, devices, [4, 4], joint=False)
+    with pytest.raises(InvalidArgument, match=r"not a layout|replicates over"):
+        place(ProxySharding((2, 3, 4, 5), op), 1, devices, [4, 4])  # half of each slice
     with pytest.raises(InvalidArgument, match="device 9 is not one of this session's 8 devices"):
         place(ProxySharding((9,)), 1, devices, [4, 4])
 
