@@ -12,7 +12,7 @@ ids renamed; programs are loaded again (compiled ones from the persistent
 compilation cache). The client's arrays keep their handles: nothing it holds on a
 live slice is lost (one that also lived on the lost slice stays failed).
 
-Measured on the emulated fleet (2 cores): re-forming 2 x v6e 2x2 slices took ~8-12 s,
+Measured on the emulated fleet (2 cores): re-forming 2 x v6e 2x2 slices took 8.3 s,
 most of it 8 new processes importing JAX.
 """
 
