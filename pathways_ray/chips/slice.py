@@ -31,7 +31,7 @@ from pathways_ray.clusters import registry
 from pathways_ray.clusters.cluster import cluster_slices, describe_capacity
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import NAMESPACE, TIMEOUTS
-from pathways_ray.controller.worlds import form_world
+from pathways_ray.chips.world import form_world
 from pathways_ray.errors import ReservationTimeout, WaitTimeout, WorkerDied
 from pathways_ray.transport.channel import listening
 
@@ -214,7 +214,7 @@ class Slice:
 
     def restart_workers(self, timeout_s: float, worker_cls: type | None = None) -> None:
         """Replace every chip worker with a new process in the same bundle (same chip,
-        same rank), outside any JAX world: the caller forms one (``worlds.form_world``).
+        same rank), outside any JAX world: the caller forms one (``world.form_world``).
         The old processes are killed, whatever they held is gone."""
         import ray
 

@@ -24,7 +24,7 @@ import time
 from pathways_ray import boundary
 from pathways_ray.clusters.cluster import slice_order
 from pathways_ray.config import TIMEOUTS
-from pathways_ray.controller.worlds import form_world
+from pathways_ray.chips.world import form_world
 from pathways_ray.errors import WorkerDied
 
 logger = logging.getLogger("pathways_ray.controller.controller")
