@@ -27,11 +27,11 @@ from pathways_ray import boundary
 from pathways_ray.chips.chip_worker import ChipWorker
 from pathways_ray.chips.handles import SidecarInfo, SliceWorker, _get, ping_all
 from pathways_ray.chips.worker_env import rank_order
+from pathways_ray.chips.world import form_world
 from pathways_ray.clusters import registry
 from pathways_ray.clusters.cluster import cluster_slices, describe_capacity
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.config import NAMESPACE, TIMEOUTS
-from pathways_ray.chips.world import form_world
 from pathways_ray.errors import ReservationTimeout, WaitTimeout, WorkerDied
 from pathways_ray.transport.channel import listening
 

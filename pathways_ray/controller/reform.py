@@ -22,9 +22,9 @@ import logging
 import time
 
 from pathways_ray import boundary
+from pathways_ray.chips.world import form_world
 from pathways_ray.clusters.cluster import slice_order
 from pathways_ray.config import TIMEOUTS
-from pathways_ray.chips.world import form_world
 from pathways_ray.errors import WorkerDied
 
 logger = logging.getLogger("pathways_ray.controller.controller")
