@@ -208,3 +208,83 @@ print("RESULT", json.dumps({"program_bytes": size, "sum": float(f(jnp.float32(2.
       flush=True)
 """
 
+
+# pathwaysutils.elastic as its docs drive it: a data-parallel mesh over the active
+# slices' chips (the global batch scaled by them), state kept on the host between
+# steps, a ScaleUpSignalError at the first step boundary where a slice came back. It
+# ends 5 steps after it is back on every slice, having run on fewer (or at MAX_STEPS).
+# Locally (JAX_PLATFORMS=cpu, 8 devices) it replays ELASTIC_SCHEDULE, the active slice
+# count of every step of a proxy run: the reference losses.
+ELASTIC = """
+import json, os, sys, time
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+PROXY = os.environ.get("JAX_PLATFORMS") == "proxy"
+MAX_STEPS = int(os.environ.get("ELASTIC_STEPS", "3000"))
+PAUSE_S = float(os.environ.get("ELASTIC_PAUSE_S", "0.05"))
+BATCH = 48
+
+def data(k, n):
+    r = np.random.default_rng(1000 + k)
+    x = r.normal(size=(BATCH, 16)).astype(np.float32)
+    y = (np.tanh(x[:, :4]) * 0.5 + 0.1).astype(np.float32)
+    return x[:n], y[:n]
+
+def loss_fn(w, x, y):
+    return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+@jax.jit
+def step(w, x, y):
+    l, g = jax.value_and_grad(loss_fn)(w, x, y)
+    return w - 0.5 * g, l
+
+def one(w, k, devices, n):
+    mesh = Mesh(np.array(devices), ("data",))
+    rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    x, y = data(k, n)
+    w, l = step(jax.device_put(w, rep), jax.device_put(x, rows), jax.device_put(y, rows))
+    return np.asarray(w), float(l)
+
+state = {"w": np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32) * 0.1}
+losses, counts, attempts = [], [], [0]
+if not PROXY:
+    for k, c in enumerate(json.loads(os.environ["ELASTIC_SCHEDULE"])):
+        state["w"], l = one(state["w"], k, jax.devices()[:4 * c],
+                            BATCH * c // int(os.environ.get("ELASTIC_SLICES", "2")))
+        losses.append(l)
+    print("RESULT", json.dumps({"losses": losses}), flush=True)
+    sys.exit(0)
+
+import pathwaysutils
+pathwaysutils.initialize()
+from pathwaysutils.elastic import manager as elastic_manager
+mgr = elastic_manager.Manager()
+print("SLICE1", mgr.slice_to_devices[1][0].slice_name, flush=True)
+
+def finished():
+    back = len(counts) - 1 - next((i for i in range(len(counts) - 1, -1, -1)
+                                   if counts[i] < mgr.total_slice_count), -1)
+    return len(counts) >= MAX_STEPS or (min(counts, default=2) < mgr.total_slice_count
+                                        and back >= 5)
+
+@mgr.elastic_retry(minimum_slice_count=1, poll_interval=1)
+def train():
+    attempts[0] += 1
+    active = sorted(mgr.active_slice_indices)
+    devices = [d for i in active for d in mgr.slice_to_devices[i]]
+    n = mgr.scale_by_active_slices(BATCH)
+    print("ATTEMPT", attempts[0], len(active), time.time(), flush=True)
+    while not finished():
+        if mgr.available_inactive_slices:
+            raise elastic_manager.ScaleUpSignalError("a slice came back")
+        state["w"], l = one(state["w"], len(losses), devices, n)
+        losses.append(l)
+        counts.append(len(active))
+        print("STEP", len(losses) - 1, len(active), time.time(), flush=True)
+        time.sleep(PAUSE_S)
+
+train()
+print("RESULT", json.dumps({"losses": losses, "counts": counts,
+                            "attempts": attempts[0]}), flush=True)
+"""

@@ -326,3 +326,108 @@ def test_a_killed_host_is_data_loss_naming_the_slice_and_the_other_slice_answers
     assert got["active"] == [1]
     proxy.fleet.restore_host(victim, 0)
 
+
+
+def test_pathwaysutils_elastic_goes_on_without_a_lost_slice_and_scales_back_when_restored(
+        proxy):
+    """An unmodified ``pathwaysutils.elastic`` loop (``proxy_scripts.ELASTIC``) on both
+    slices: a host of slice 1 killed while it trains -> it goes on on slice 0 with no
+    restart; the host restored -> the same session takes the slice back (same index)
+    and trains on both again; every step's loss equals local JAX following the same
+    schedule of slices. Last in this module: it takes a host away and brings it back."""
+    proc = subprocess.Popen([sys.executable, "-c", proxy_scripts.ELASTIC],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(proxy))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def steps_on(n: int) -> int:
+        return sum(1 for ln in list(lines) if ln.startswith("STEP") and ln.split()[2] == str(n))
+
+    def said() -> str:
+        return "".join(lines[-20:]) + (proc.stderr.read()[-4000:] if proc.poll() is not None
+                                       else "")
+    try:
+        wait_until(lambda: steps_on(2) >= 3 or proc.poll() is not None, 240,
+                   "the script did not start training on both slices")
+        assert proc.poll() is None, said()
+        victim = next(ln.split()[1] for ln in lines if ln.startswith("SLICE1"))
+        proxy.fleet.remove_host(victim, 0)
+        wait_until(lambda: steps_on(1) >= 3 or proc.poll() is not None, 240,
+                   "training did not go on on slice 0 alone")
+        assert proc.poll() is None, said()
+        proxy.fleet.restore_host(victim, 0)
+        assert proc.wait(timeout=420) == 0, said()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(10)
+    got = json.loads(next(ln for ln in lines if ln.startswith("RESULT")).removeprefix("RESULT"))
+    counts = got["counts"]
+    assert counts[0] == 2 and 1 in counts and counts[-5:] == [2] * 5, counts
+    assert got["attempts"] >= 3  # both slices, slice 0 alone, both again
+    want = _script(proxy_scripts.ELASTIC, env={
+        "ELASTIC_SCHEDULE": json.dumps(counts),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+
+
+def test_maxtext_elastic_goes_on_without_a_lost_slice_and_scales_back(proxy, tmp_path):
+    """MaxText's own elastic training (``elastic_enabled=true``, on at least 1 slice;
+    its checkpoints on local disk, ``DECOUPLE_GCLOUD=TRUE`` as MaxText runs off
+    Google Cloud) on both slices: a host of slice 1 killed -> it re-meshes and goes on
+    on slice 0; the host restored -> it scales back to both slices. (It would train
+    on: stopped once it is back.)"""
+    from tests.client_envs import client_python
+    from tests.test_proxy_clients import maxtext_command
+
+    python = client_python("maxtext")
+    env = {**{k: v for k, v in _env(proxy).items() if k != "XLA_FLAGS"},
+           "DECOUPLE_GCLOUD": "TRUE"}
+    cmd = maxtext_command(python, tmp_path, "steps=2000", "elastic_enabled=true",
+                          "enable_single_controller=true",
+                          "elastic_min_slice_count=1", "elastic_timeout_seconds=300",
+                          "enable_checkpointing=true", "checkpoint_period=5",
+                          "async_checkpointing=false", "dcn_data_parallelism=-1",
+                          "ici_fsdp_parallelism=4")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def steps_on(n: int, after: int = 0) -> int:
+        return sum(1 for ln in list(lines)[after:]
+                   if "completed step:" in ln and f"live slice count: {n}" in ln)
+
+    def wait(cond, what: str) -> int:
+        wait_until(lambda: cond() or proc.poll() is not None, 420, what)
+        assert proc.poll() is None, "".join(
+            [ln for ln in lines if ln[:1] not in "IWE" or not ln[1:5].isdigit()][-60:])
+        return len(lines)
+
+    try:
+        wait(lambda: steps_on(2) >= 3, "MaxText did not train on both slices")
+        proxy.fleet.remove_host("v6e-2x2-1", 0)
+        seen = wait(lambda: steps_on(1) >= 2, "MaxText did not go on on slice 0 alone")
+        proxy.fleet.restore_host("v6e-2x2-1", 0)
+        wait(lambda: steps_on(2, seen) >= 2, "MaxText did not scale back to both slices")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        reader.join(10)
+        (tmp_path / "maxtext.log").write_text("".join(lines))  # (kept for a failure)
+    said = [ln.split("] ", 1)[-1].strip() for ln in lines]
+    active = [ln.split("Active indices: ")[1] for ln in said if "Active indices: " in ln]
+    assert active[:3] == ["frozenset({0, 1})", "frozenset({0})", "frozenset({0, 1})"], active
+    assert "Elastic event detected" in said and "Scale up requested." in said
+    # Back on both slices it resumed from the checkpoint it wrote on slice 0 alone.
+    resumed = [int(ln.rsplit(" ", 1)[1]) for ln in said
+               if ln.startswith("restoring from this run's directory step")]
+    first_back = next(int(ln.split(",")[0].split(": ")[1]) for ln in said[seen:]
+                      if ln.startswith("completed step:") and "live slice count: 2" in ln)
+    assert len(resumed) >= 2 and first_back >= resumed[-1] > 0, (resumed, first_back)

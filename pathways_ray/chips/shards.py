@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,33 +299,60 @@ def _carry(value) -> Carried:
 class CarriedBuffers:
     """Mixin of ``ChipWorker``: hand a chip's buffers over to the next world."""
 
-    def export_buffers(self, after: int = 0, lease: str | None = None) -> dict[int, Carried]:
+    # (Not in the default group: a read stuck on a lost world's buffer holds its thread.)
+    @ray.method(concurrency_group="control")
+    def export_buffers(self, after: int = 0, lease: str | None = None,
+                       settle_s: float | None = None, lost: str = "") -> dict[int, Carried]:
         """Every buffer of this chip, once the first ``after`` batches of its stream
-        have run."""
+        have run. ``settle_s``: this chip's world lost slice ``lost``, and a program
+        over it may never end here (its collectives wait on the dead): a buffer not
+        computed within ``settle_s`` is handed over as lost with it."""
         from pathways_ray.chips.executor import Failed
 
         self._check_lease(lease)
         self._after(after)
+        values = list(self.executor.buffers.items())
+        pending = {i for i, v in values if settle_s is not None and not isinstance(v, Failed)
+                   and not v.is_ready()}
+        deadline = time.monotonic() + (settle_s or 0.0)
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+            pending = {i for i in pending
+                       if not getattr(self.executor.buffers.get(i), "is_ready", bool)()}
+        gone = Failed("carry", "", SliceLost(lost or "?", reason="the program computing "
+                                             "it was still running when the slice was lost"))
         out: dict[int, Carried] = {}
-        for buffer_id, value in list(self.executor.buffers.items()):
-            out[buffer_id] = (Carried((), "", (), failed=value) if isinstance(value, Failed)
-                              else _carry(value))
+        for buffer_id, value in values:
+            if buffer_id in pending:
+                value = gone
+            elif not isinstance(value, Failed):
+                try:
+                    out[buffer_id] = _carry(value)
+                    continue
+                except Exception as e:  # noqa: BLE001 - its program failed on the chips
+                    if settle_s is None:
+                        raise
+                    value = Failed("carry", "", SliceLost(lost or "?", reason=(
+                        f"its program failed on the chips as the slice was lost: "
+                        f"{str(e).splitlines()[0][:200]}")))
+            out[buffer_id] = Carried((), "", (), failed=value)
         logger.info("chip rank %s: %d buffers handed over", self.rank, len(out))
         return out
 
     def import_buffers(self, carried: dict[int, Carried], renamed: dict[int, int],
-                       lost: str = "", lease: str | None = None) -> int:
+                       lost: str = "", lease: str | None = None,
+                       expected: tuple[int, ...] = ()) -> int:
         """Rebuild the buffers another process of this chip handed over (``renamed``:
         old world device id -> this world's). A buffer that also lived on devices no
-        longer in the world (a lost slice's, named by ``lost``) comes back failed with
-        ``SliceLost``. Returns how many."""
+        longer in the world (a lost slice's, named by ``lost``), or one ``expected``
+        that never came (the batch writing it had not run in the old process), comes
+        back failed with ``SliceLost``. Returns how many were carried."""
         import jax
         from jax._src.lib import xla_client
         from jax._src.sharding_impls import GSPMDSharding
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         from pathways_ray.chips.executor import Failed
-        from pathways_ray.errors import SliceLost
 
         self._check_lease(lease)
         world = {d.id: d for d in jax.devices()}
@@ -353,4 +381,8 @@ class CarriedBuffers:
                 shardings[key] = sharding
             self.executor.buffers[buffer_id] = jax.make_array_from_single_device_arrays(
                 c.shape, sharding, [jax.device_put(c.shard, local)])
+        never = Failed("carry", "", SliceLost(lost or "?", reason="the batch writing it "
+                                              "had not run when the slice was lost"))
+        for buffer_id in expected:
+            self.executor.buffers.setdefault(buffer_id, never)
         return len(carried)

@@ -307,14 +307,18 @@ class WorldService:
                 self._service = None
 
 
-def form_world(slices: list, timeout_s: float, compilation_cache_dir: str | None) -> None:
-    """One JAX world over the chips of ``slices``, slice after slice in rank order."""
+def form_world(slices: list, timeout_s: float, compilation_cache_dir: str | None,
+               elastic: bool = False) -> None:
+    """One JAX world over the chips of ``slices``, slice after slice in rank order.
+    On the emulated fleet a world of several slices (or any, ``elastic``: one that is
+    to take slices in later) has its coordination service here (``WorldService``)."""
     workers = [w for sl in slices for w in sl.workers]
     ports = _get([w.handle.reserve_port.remote() for w in workers], timeout_s,
                  "reserving ports")
     addresses = [f"{w.info.ip}:{p}" for w, p in zip(workers, ports, strict=True)]
     coordinator = addresses[0]
-    outside = len(slices) > 1 and all(w.info.platform == "cpu" for w in workers)
+    outside = ((elastic or len(slices) > 1)
+               and all(w.info.platform == "cpu" for w in workers))
     if outside:
         service = WorldService(len(workers))
         coordinator = service.address

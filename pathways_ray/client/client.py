@@ -61,6 +61,7 @@ class Client(Results, Resharding):
         self._chips = {s.name: s.chips for s in self.slices}
         self._platforms = {s.name: s.platform for s in self.slices}
         self._groups: dict[str, SliceInfo] = {}  # multislice placements, by name
+        self._joint = any(d.get("joint") for d in described)  # one JAX world over them
         self._ids = itertools.count(1)
         self._registered: set[str] = set()
         self._closed = False

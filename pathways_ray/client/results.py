@@ -3,6 +3,8 @@ and what a dead worker met while waiting means."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from pathways_ray import boundary
@@ -10,6 +12,11 @@ from pathways_ray.chips.executor import assemble
 from pathways_ray.client.arrays import RemoteArray
 from pathways_ray.errors import PathwaysError, RemoteError, SliceLost
 from pathways_ray.programs.sharding import shard_slices, unique_shards
+
+# A read on a joint world polls the controller this often while it waits, and gives up
+# this long after the controller said the world lost a slice (Results._unless_stuck).
+POLL_S = 0.5
+STUCK_S = 1.0
 
 
 class Results:
@@ -24,9 +31,11 @@ class Results:
                 err = known
             return self._queue.record(where, err) if isinstance(err, SliceLost) else err
 
+        timeout = "fetch" if timeout_s is None else timeout_s
+        if self._joint and isinstance(refs, list) and refs:
+            self._unless_stuck(where, refs, timeout)
         try:
-            return boundary.get(refs, timeout="fetch" if timeout_s is None else timeout_s,
-                                what=what, died=died)
+            return boundary.get(refs, timeout=timeout, what=what, died=died)
         except RemoteError as e:
             if where not in self._groups:
                 raise
@@ -39,6 +48,30 @@ class Results:
             if not isinstance(lost, SliceLost):
                 raise
             raise self._queue.record(where, lost) from None
+
+    def _unless_stuck(self, where: str, refs: list, timeout: str | float) -> None:
+        """Wait for ``refs`` (or their timeout, or a failure among them) unless the
+        placement's world lost a slice meanwhile: a program over it and the survivors
+        may never end on the survivors' chips (a collective waits on the dead), so a
+        read of what it computes would wait out its whole timeout. Once the controller
+        says the world is broken, ``STUCK_S`` more and the read is lost with the slice
+        (``SliceLost``); the controller re-forms the survivors on their next use."""
+        import ray
+
+        end = time.monotonic() + boundary.deadline(timeout)[0]
+        broken_at = None
+        while time.monotonic() < end:
+            ready, _ = ray.wait(refs, num_returns=len(refs), fetch_local=False,
+                                timeout=min(POLL_S, max(0.0, end - time.monotonic())))
+            if len(ready) == len(refs) or boundary.failed_now(ready)[1]:
+                return  # (boundary.get reads them, or raises what failed)
+            lost = self._call("broken", where)
+            if lost is None:
+                broken_at = None
+            elif broken_at is None:
+                broken_at = time.monotonic()
+            elif time.monotonic() - broken_at >= STUCK_S:
+                raise lost
 
     def _fetch(self, arr: RemoteArray, timeout_s: float | None) -> np.ndarray:
         self._sync(arr.slice)

@@ -90,6 +90,8 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth, Wo
         self.multislice = False
         self._world_service = None  # a multislice world's coordination service (elastic)
         self._reforming: set[str] = set()  # slices whose world is being re-formed
+        self._broken: dict[str, SliceLost] = {}  # slice -> the loss its world had
+        self._compiles: dict[str, dict] = {}  # placement -> program -> its Compile
         self._closed = False
         self._lock = threading.RLock()
         self._last_load: dict[str, int] = {}  # slice -> number of its last batch with a Load
@@ -270,4 +272,6 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth, Wo
             for s in p.slices:
                 if s.name in self.lost:
                     raise self.lost[s.name]
+        if self._broken and any(s.name in self._broken for s in p.slices):
+            self._reform(after_loss=True)  # its chips may be stuck with the lost ones
         return p

@@ -83,6 +83,20 @@ class LossesAndGrowth:
         return self._lose(sick[0].name, f"a program over {where} failed on the chips "
                                         f"({reason})") if sick else None
 
+    def broken(self, where: str) -> SliceLost | None:
+        """The loss that broke the JAX world of placement ``where`` (a member's, or a
+        slice of the world its members were in: their chips may be stuck in a program
+        over it until they are re-formed), or None."""
+        with self._lock:
+            p = self.placements.get(where)
+            if p is None:
+                return None
+            for s in p.slices:
+                if s.name in self.lost:
+                    return self.lost[s.name]
+            return next((self._broken[s.name] for s in p.slices if s.name in self._broken),
+                        None)
+
     def _streams(self):
         """For the health monitor: (slice, stream, its last batch with a Load)."""
         with self._lock:
@@ -132,6 +146,12 @@ class LossesAndGrowth:
         for other in self.slices.values():  # their puts stop waiting on pulls from it
             for w in other.workers:
                 w.handle.abandon.remote(name, lease=self._token)
+        if self.multislice and s.world_service is not None:
+            # An emulated world outlives it, but a program over it and the others may
+            # never end on theirs (a collective waiting on the dead): their next use
+            # re-forms them first (reform.py).
+            self._broken.update((o.name, err) for o in self.slices.values()
+                                if o.world_service is s.world_service)
         if self.multislice and s.world_service is None:
             # One JAX world whose service was on a chip (TPU, over DCN): the others
             # cannot run a collective now. (An emulated world's service is off the chips:

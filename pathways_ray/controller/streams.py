@@ -76,11 +76,20 @@ class Streams:
         # has none, and a list per chip costs O(chips) per step at pod scale).
         staged: list[dict[int, list]] | None = None
         for cmd in commands:
+            if isinstance(cmd, Compile):  # to compile again in a re-formed world
+                self._compiles.setdefault(where, {})[cmd.fingerprint] = cmd
             match cmd:
                 case Run(fingerprint=fp) | Compile(fingerprint=fp) if fp not in loaded:
                     batch.append(Load(fp, self.programs[fp]))
                     loaded.add(fp)
                     self.loads_sent[where] += 1
+                    again = self._compiles.get(where, {}).get(fp)
+                    if isinstance(cmd, Run) and again is not None:
+                        # Compiled ahead in the chips' previous processes (reform.py):
+                        # a compiled program (the proxy's) runs only once compiled.
+                        batch.append(placed(again, p.start))
+                        if again.status not in live:
+                            batch.append(Free((again.status,)))
                 case Put(pieces=[[(Pull(), *_), *_], *_]) | Put(pieces=Inline()):
                     # Pulls and small puts' data travel in the command: each chip takes
                     # its own on reading the batch, with no Ray call of their own.

@@ -147,20 +147,23 @@ class ArrayTable:
         names = [self.slice_names[s] for s in slices]
         return names[0] if len(names) == 1 else names
 
-    def note_lost(self, e: BaseException) -> None:
+    def note_lost(self, e: BaseException) -> bool:
         """Slice ``e.slice`` (a ``SliceLost``) was lost: ask the controller for one like
-        it, which it reserves in the background as soon as the cluster has one free."""
+        it, which it reserves in the background as soon as the cluster has one free.
+        Whether this is news (the first report of that slice)."""
         name = getattr(e, "slice", None)
         if name not in self.slice_names:
-            return
+            return False
         i = self.slice_names.index(name)
-        if i not in self.lost:
-            self.lost[i] = e
-            logger.warning("slice %s (index %d) was lost; a replacement is asked for", name, i)
-            try:
-                self.client.request_slices(len(self.lost))
-            except (ValueError, PathwaysError) as refused:  # a lease cannot grow
-                logger.info("no replacement for slice %s: %s", name, refused)
+        if i in self.lost:
+            return False
+        self.lost[i] = e
+        logger.warning("slice %s (index %d) was lost; a replacement is asked for", name, i)
+        try:
+            self.client.request_slices(len(self.lost))
+        except (ValueError, PathwaysError) as refused:  # a lease cannot grow
+            logger.info("no replacement for slice %s: %s", name, refused)
+        return True
 
     def _revive(self, i: int) -> bool:
         """Back lost slice ``i`` by a replacement of its shape that joined the client."""

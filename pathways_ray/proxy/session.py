@@ -29,7 +29,6 @@ from pathways_ray.proxy import programs
 from pathways_ray.proxy.arrays import ArrayTable, ProxyArray
 from pathways_ray.proxy.devices import ProxyDevice, plan_devices
 from pathways_ray.proxy.errors import (
-    DATA_LOSS,
     INTERNAL,
     FailedPrecondition,
     InvalidArgument,
@@ -175,10 +174,10 @@ class Session(ProgramRequests):
             else:
                 handler(getattr(request, kind), response)
         except BaseException as e:  # noqa: BLE001 - the client must get the error, not a cut
-            if isinstance(e, SliceLost) and self.arrays is not None:
-                self.arrays.note_lost(e)
+            news = isinstance(e, SliceLost) and self.arrays is not None and (
+                self.arrays.note_lost(e))  # (said once per lost slice, not per read)
             code, message = status_of(e, kind or "a request")
-            log = logger.warning if code in (INTERNAL, DATA_LOSS) else logger.info
+            log = logger.warning if code == INTERNAL or news else logger.info
             log("session %d: %s failed: %s", self.number, kind, message.splitlines()[0])
             # Its results hold the error: a lost slice as it is, anything else as the
             # status decided now (an internal error is one incident, however often read).
