@@ -67,16 +67,23 @@ MAXTEXT_ARGS = ("dataset_type=synthetic", "steps=5", "enable_checkpointing=false
                 "skip_jax_distributed_system=true")
 
 
-def maxtext(python: Path, out: Path, env: dict, *args: str, timeout_s: float = 900) -> list:
-    """MaxText's pre-training trainer, as its README runs it; returns its losses."""
+def maxtext_command(python: Path, out: Path, *args: str) -> list[str]:
+    """MaxText's pre-training trainer, as its README runs it (a key of ``args`` replaces
+    ours)."""
+    given = {a.split("=", 1)[0] for a in args}
     base = subprocess.run([str(python), "-c", "import maxtext, os; print(os.path.join("
                            "os.path.dirname(maxtext.__file__), 'configs', 'base.yml'))"],
                           capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    return [str(python), "-m", "maxtext.trainers.pre_train.train", base, "run_name=t",
+            f"base_output_directory={out}", f"metrics_file={out / 'metrics.jsonl'}",
+            *(a for a in MAXTEXT_ARGS if a.split("=", 1)[0] not in given), *args]
+
+
+def maxtext(python: Path, out: Path, env: dict, *args: str, timeout_s: float = 900) -> list:
+    """MaxText's pre-training trainer run to its end; returns its losses."""
     metrics = out / "metrics.jsonl"
-    cmd = [str(python), "-m", "maxtext.trainers.pre_train.train", base, "run_name=t",
-           f"base_output_directory={out}", f"metrics_file={metrics}", *MAXTEXT_ARGS, *args]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
-                         cwd=out)
+    run = subprocess.run(maxtext_command(python, out, *args), capture_output=True, text=True,
+                         timeout=timeout_s, env=env, cwd=out)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return [json.loads(ln)["learning/loss"] for ln in metrics.read_text().splitlines()]
 
