@@ -307,3 +307,14 @@ def test_the_session_id_is_in_no_log_line(server, caplog):
     assert ids
     for sid in set(ids):
         assert str(sid) not in caplog.text and f"{sid:x}" not in caplog.text
+
+
+def test_a_clients_debug_flags_write_nothing_on_the_hosts(server, tmp_path):
+    """MaxText sets ``XLA_FLAGS=--xla_dump_to=...`` on its own, and a client's flags
+    travel in its compile options: the chips must not write where a client says (here
+    the hosts' disk is this machine's, so a dump would show)."""
+    dump = tmp_path / "xla_dump"
+    got = _script(proxy_scripts.TRAIN_ONE_SLICE, server, env={
+        "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    assert len(got["losses"]) == 10
+    assert not dump.exists(), sorted(p.name for p in dump.iterdir())[:5]

@@ -127,3 +127,21 @@ def test_hlo_programs_and_signatures_travel_as_bytes():
     sig = HloSignature(((MeshShape(("d0", "r0"), (2, 2), (0, 2, 1, 3)), (("d0",),)),),
                        (b"\x08\x03",), (b"",))
     assert HloSignature.from_bytes(sig.to_bytes()) == sig
+
+
+def test_a_clients_debug_options_naming_host_paths_are_dropped_and_the_rest_kept():
+    from pathways_ray.proxy.programs import _confine
+    from pathways_ray.proxy.protos import xla_python_pjrt_ifrt_xla_compiler_pb2 as pb
+
+    options = pb.XlaCompileOptionsProto().compile_options
+    debug = options.executable_build_options.debug_options
+    debug.xla_dump_to = "/tmp/x"
+    debug.xla_gpu_kernel_cache_file = "/etc/passwd"
+    debug.xla_dump_hlo_pass_re = ".*"  # a pattern, not a path: kept (it dumps nowhere now)
+    debug.xla_cpu_enable_fast_math = True
+    options.env_option_overrides["xla_dump_to"].string_field = "/tmp/y"
+    options.env_option_overrides["xla_cpu_enable_fast_math"].bool_field = True
+    _confine(options)
+    assert debug.xla_dump_to == "" and debug.xla_gpu_kernel_cache_file == ""
+    assert debug.xla_dump_hlo_pass_re == ".*" and debug.xla_cpu_enable_fast_math
+    assert sorted(options.env_option_overrides) == ["xla_cpu_enable_fast_math"]

@@ -12,6 +12,7 @@ programs on different slices run at the same time: one client, many slices (MPMD
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,33 @@ class Executable:
         return not self.hlo.ranks
 
 
+# Debug options that name a file or directory (xla_dump_to, autotune caches, PTX or
+# topology files): a client's XLA_FLAGS travel in its compile options, and the chips
+# must not write to, or read from, paths a client chooses (MaxText sets
+# --xla_dump_to on its own: a dump of every compile landed on the TPU hosts).
+_PATHS = re.compile(r"(_to|_from|_dir|_path|_file|_filename)$")
+
+
+def _confine(options) -> None:
+    """Drop the client's debug options that name paths on the hosts (said once, in the
+    server's log)."""
+    debug = options.executable_build_options.debug_options
+    dropped = [f.name for f in debug.DESCRIPTOR.fields
+               if f.type == f.TYPE_STRING and _PATHS.search(f.name) and getattr(debug, f.name)]
+    for name in dropped:
+        debug.ClearField(name)
+    for key in [k for k in options.env_option_overrides if _PATHS.search(k)]:
+        del options.env_option_overrides[key]
+        dropped.append(key)
+    if dropped and not _said_dropped.intersection(dropped):
+        logger.info("a client's compile options named host paths, not used here: %s",
+                    ", ".join(sorted(dropped)))
+    _said_dropped.update(dropped)
+
+
+_said_dropped: set[str] = set()
+
+
 def compile_program(table: ArrayTable, parser: ProgramParser, program_bytes: bytes,
                     options_bytes: bytes, timeout_s: float | None = None) -> Executable:
     """Compile on the chips of the slice the program's devices are; returns once
@@ -67,6 +95,7 @@ def compile_program(table: ArrayTable, parser: ProgramParser, program_bytes: byt
     except DecodeError as e:
         raise InvalidArgument(f"the compile options do not parse: {e}") from None
     build = options.executable_build_options
+    _confine(options)
     assignment = build.device_assignment
     if assignment.replica_count > 1:
         raise Unimplemented(f"a program over {assignment.replica_count} replicas (pmap) is "
@@ -118,7 +147,7 @@ def prepare(table: ArrayTable, exe: Executable, timeout_s: float | None = None) 
         signature = HloSignature.from_bytes(
             table.client._fetch_local(status, 0, timeout_s).tobytes())
     except SliceLost as e:
-        logger.warning("compiling %s: %s", exe.program.fun_name, e)
+        logger.info("compiling %s: %s", exe.program.fun_name, e)
         exe.lost = e
         return
     out_sigs = tuple(ArgSignature(shape, dtype, spec, mesh) for (shape, dtype), (mesh, spec)
