@@ -79,6 +79,11 @@ try:
     np.asarray(x)
 except jax.errors.JaxRuntimeError as e:
     out["read_lost"] = str(e)
+try:  # a mesh mixing the lost slice with the live one
+    both = Mesh(np.array(devices[:8]), ("data",))
+    np.asarray(jax.device_put(z, NamedSharding(both, P("data"))))
+except jax.errors.JaxRuntimeError as e:
+    out["mixed"] = str(e)
 z = other(z)
 out["other"] = np.asarray(z).tolist()
 out["active"] = sorted(elastic.get_active_slice_indices())

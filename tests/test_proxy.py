@@ -322,6 +322,7 @@ def test_a_killed_host_is_data_loss_naming_the_slice_and_the_other_slice_answers
     assert victim in got["error"] and f"{victim}/0" in got["error"], got
     assert got["slice_down"] is True  # pathwaysutils.elastic's own reading of it
     assert "DATA_LOSS" in got["read_lost"]  # an array on the lost slice is gone, by name
+    assert "DATA_LOSS" in got["mixed"] and victim in got["mixed"]  # a mesh mixing it too
     assert len(got["other"]) == 32  # slice 1 keeps answering
     assert got["active"] == [1]
     proxy.fleet.restore_host(victim, 0)
