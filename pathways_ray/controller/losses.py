@@ -76,9 +76,9 @@ class LossesAndGrowth:
             p = self.placements.get(where)
             if p is None:
                 return None
-            for s in p.slices:
-                if s.name in self.lost:
-                    return self.lost[s.name]
+            known = self._loss_of(p)
+            if known is not None:
+                return known
         sick = [s for s in p.slices if any(h != "ok" for _, h in s.health(2.0))]
         return self._lose(sick[0].name, f"a program over {where} failed on the chips "
                                         f"({reason})") if sick else None
@@ -91,11 +91,12 @@ class LossesAndGrowth:
             p = self.placements.get(where)
             if p is None:
                 return None
-            for s in p.slices:
-                if s.name in self.lost:
-                    return self.lost[s.name]
-            return next((self._broken[s.name] for s in p.slices if s.name in self._broken),
-                        None)
+            return self._loss_of(p) or next(
+                (self._broken[s.name] for s in p.slices if s.name in self._broken), None)
+
+    def _loss_of(self, p: Placement) -> SliceLost | None:
+        """A lost member's ``SliceLost`` (under the lock)."""
+        return next((self.lost[s.name] for s in p.slices if s.name in self.lost), None)
 
     def _streams(self):
         """For the health monitor: (slice, stream, its last batch with a Load)."""
