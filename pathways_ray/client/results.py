@@ -10,7 +10,7 @@ import numpy as np
 from pathways_ray import boundary
 from pathways_ray.chips.executor import assemble
 from pathways_ray.client.arrays import RemoteArray
-from pathways_ray.errors import PathwaysError, RemoteError, SliceLost
+from pathways_ray.errors import PathwaysError, RemoteError, SliceLost, WaitTimeout
 from pathways_ray.programs.sharding import shard_slices, unique_shards
 
 # A read on a joint world polls the controller this often while it waits, and gives up
@@ -33,7 +33,7 @@ class Results:
 
         timeout = "fetch" if timeout_s is None else timeout_s
         if self._joint and isinstance(refs, list) and refs:
-            self._unless_stuck(where, refs, timeout)
+            self._unless_stuck(where, refs, timeout, what)
         try:
             return boundary.get(refs, timeout=timeout, what=what, died=died)
         except RemoteError as e:
@@ -49,7 +49,7 @@ class Results:
                 raise
             raise self._queue.record(where, lost) from None
 
-    def _unless_stuck(self, where: str, refs: list, timeout: str | float) -> None:
+    def _unless_stuck(self, where: str, refs: list, timeout: str | float, what: str) -> None:
         """Wait for ``refs`` (or their timeout, or a failure among them) unless the
         placement's world lost a slice meanwhile: a program over it and the survivors
         may never end on the survivors' chips (a collective waits on the dead), so a
@@ -58,13 +58,17 @@ class Results:
         (``SliceLost``); the controller re-forms the survivors on their next use."""
         import ray
 
-        end = time.monotonic() + boundary.deadline(timeout)[0]
+        seconds, setting = boundary.deadline(timeout)
+        end = time.monotonic() + seconds
         broken_at = None
-        while time.monotonic() < end:
+        while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), fetch_local=False,
                                 timeout=min(POLL_S, max(0.0, end - time.monotonic())))
             if len(ready) == len(refs) or boundary.failed_now(ready)[1]:
                 return  # (boundary.get reads them, or raises what failed)
+            if time.monotonic() >= end:  # (not a second wait of the same length after)
+                raise WaitTimeout(f"{what} did not finish within {seconds:g} s; a slower "
+                                  f"machine may need a longer {setting}")
             lost = self._call("broken", where)
             if lost is None:
                 broken_at = None
