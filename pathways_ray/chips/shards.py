@@ -296,6 +296,21 @@ def _carry(value) -> Carried:
                    op_sharding=hlo.to_proto().SerializeToString(), **common)
 
 
+_GONE = "the array was deleted (donated to a program) before the world was re-formed"
+
+
+def _deleted(value) -> bool:
+    """A buffer a program took as a donated input: deleted here, and forgotten by its
+    client once the delete it sends next arrives."""
+    return hasattr(value, "is_deleted") and value.is_deleted()
+
+
+def _settled(value) -> bool:
+    """Nothing more will happen to ``value``: computed, failed, deleted or gone."""
+    return (value is None or not hasattr(value, "is_ready") or _deleted(value)
+            or value.is_ready())
+
+
 class CarriedBuffers:
     """Mixin of ``ChipWorker``: hand a chip's buffers over to the next world."""
 
@@ -312,24 +327,27 @@ class CarriedBuffers:
         self._check_lease(lease)
         self._after(after)
         values = list(self.executor.buffers.items())
-        pending = {i for i, v in values if settle_s is not None and not isinstance(v, Failed)
-                   and not v.is_ready()}
+        pending = {i for i, v in values if settle_s is not None and not _settled(v)}
         deadline = time.monotonic() + (settle_s or 0.0)
         while pending and time.monotonic() < deadline:
             time.sleep(0.02)
-            pending = {i for i in pending
-                       if not getattr(self.executor.buffers.get(i), "is_ready", bool)()}
+            pending = {i for i in pending if not _settled(self.executor.buffers.get(i))}
         gone = Failed("carry", "", SliceLost(lost or "?", reason="the program computing "
                                              "it was still running when the slice was lost"))
         out: dict[int, Carried] = {}
         for buffer_id, value in values:
             if buffer_id in pending:
                 value = gone
+            elif _deleted(value):
+                value = Failed("carry", _GONE)
             elif not isinstance(value, Failed):
                 try:
                     out[buffer_id] = _carry(value)
                     continue
                 except Exception as e:  # noqa: BLE001 - its program failed on the chips
+                    if _deleted(value):  # donated since it was looked at
+                        out[buffer_id] = Carried((), "", (), failed=Failed("carry", _GONE))
+                        continue
                     if settle_s is None:
                         raise
                     value = Failed("carry", "", SliceLost(lost or "?", reason=(
