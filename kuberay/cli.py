@@ -105,6 +105,16 @@ def register(sub) -> dict:
     rs = render.add_subparsers(dest="kind", required=True, metavar="KIND")
     c = rs.add_parser("cluster", help="a RayCluster with a TPU worker group")
     _cluster_flags(c)
+    c.add_argument("--proxy", action="store_true",
+                   help="serve unmodified JAX (JAX_PLATFORMS=proxy) from the head: adds the "
+                        "IFRT proxy beside it, its token Secret, a Service and a "
+                        "NetworkPolicy admitting pods labelled pathways-ray/proxy-client=NAME")
+    c.add_argument("--proxy-port", type=int, default=None, help="default 29000")
+    c.add_argument("--proxy-slices", nargs="+", default=(), metavar="SHAPE[:COUNT]",
+                   help="what each proxy session gets (default: every slice of the cluster)")
+    c.add_argument("--proxy-secret", default=None,
+                   help="an existing Secret with the proxy token under key 'token' "
+                        "(default: one is rendered with a fresh token)")
     j = rs.add_parser("job", help="a RayJob running a training script on a TPU cluster")
     _cluster_flags(j)
     j.add_argument("--entrypoint", default=None,
@@ -154,6 +164,14 @@ def run(args) -> int:
 
     if args.k8s_command == "render":
         cfg = _config(args)
+        if args.kind == "cluster" and (args.proxy or args.proxy_port or args.proxy_slices
+                                       or args.proxy_secret):
+            from .proxy import PROXY_PORT, ProxyConfig, proxy_cluster
+
+            proxy = ProxyConfig(port=args.proxy_port or PROXY_PORT,
+                                slices=tuple(args.proxy_slices), secret=args.proxy_secret)
+            sys.stdout.write(to_yaml(*proxy_cluster(cfg, proxy)))
+            return 0
         if args.kind == "cluster":
             manifest = ray_cluster(cfg)
         elif args.kind == "job":
@@ -177,7 +195,15 @@ def run(args) -> int:
         client = _client(args)
         if args.k8s_command == "submit":
             text = sys.stdin.read() if args.file == "-" else open(args.file).read()
-            for manifest in (m for m in yaml.safe_load_all(text) if m):
+            manifests = [m for m in yaml.safe_load_all(text) if m]
+            others = sorted({str(m.get("kind")) for m in manifests
+                             if m.get("kind") not in KIND_ALIASES.values()})
+            if others:  # before creating anything: no half-made cluster
+                print(f"error: {args.file} has {', '.join(others)}: `k8s submit` creates "
+                      f"RayCluster, RayJob and RayService only; apply the file with "
+                      f"`kubectl apply -f {args.file}`", file=sys.stderr)
+                return 2
+            for manifest in manifests:
                 obj = client.create(manifest, args.namespace)
                 print(f"created {obj['kind']} {obj['metadata']['namespace']}/"
                       f"{obj['metadata']['name']}")

@@ -24,7 +24,7 @@ from .manifests import (
 
 IMAGE = "us-docker.pkg.dev/my-project/pathways-ray/pathways-ray:0.1.0-py312"
 
-SAMPLES: dict[str, Callable[[], dict]] = {
+SAMPLES: dict[str, Callable[[], dict | list[dict]]] = {
     "ray-cluster.v6e-2x4-single-host.yaml": lambda: ray_cluster(
         ClusterConfig(name="pathways-v6e-8", accelerator="v6e", topology="2x4", image=IMAGE)
     ),
@@ -36,9 +36,20 @@ SAMPLES: dict[str, Callable[[], dict]] = {
         ClusterConfig(name="pathways-v5p-16x2", accelerator="v5p", topology="2x2x2",
                       num_slices=2, min_slices=1, max_slices=4, image=IMAGE)
     ),
+    "ray-cluster.v6e-4x4-proxy.yaml": lambda: _proxy(),
     "ray-job.v6e-4x4-train-jax-lm.yaml": lambda: _job(),
     "ray-service.v6e-4x4-llm.yaml": lambda: _service(),
 }
+
+
+def _proxy() -> list[dict]:
+    """A cluster serving unmodified JAX to notebook pods, and one such pod."""
+    from .proxy import ProxyConfig, client_pod, proxy_cluster
+
+    cfg = ClusterConfig(name="pathways-v6e-16x2", accelerator="v6e", topology="4x4",
+                        num_slices=2, image=IMAGE)
+    proxy = ProxyConfig(secret="pathways-proxy-token")  # kubectl create secret generic …
+    return [*proxy_cluster(cfg, proxy), client_pod(cfg, proxy, image=IMAGE)]
 
 
 def _job() -> dict:
@@ -61,7 +72,8 @@ HEADER = "# Rendered by `python -m pathways_ray.kuberay.samples`; edit kuberay/s
 
 
 def render(name: str) -> str:
-    return HEADER + to_yaml(SAMPLES[name]())
+    manifests = SAMPLES[name]()
+    return HEADER + to_yaml(*(manifests if isinstance(manifests, list) else [manifests]))
 
 
 def write_all(directory: Path) -> list[Path]:

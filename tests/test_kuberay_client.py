@@ -154,6 +154,22 @@ def test_cli_submits_every_document_of_a_file(server, tmp_path, capsys):
     assert sorted(k[2] for k in server.objects) == ["a", "b"]
 
 
+def test_cli_submit_refuses_a_proxy_file_whole_and_says_to_use_kubectl(server, tmp_path,
+                                                                       capsys):
+    """The --proxy file has a Secret, Service and NetworkPolicy, which submit does not
+    create: it says so and creates nothing (not the RayCluster without its Secret)."""
+    from pathways_ray.kuberay.proxy import proxy_cluster
+
+    path = tmp_path / "proxy.yaml"
+    path.write_text(to_yaml(*proxy_cluster(ClusterConfig(name="tpu", accelerator="v6e",
+                                                         topology="2x2"))))
+    assert cli_main(["k8s", "submit", "-f", str(path), "--server", server.url,
+                     "--token", TOKEN]) == 2
+    err = capsys.readouterr().err
+    assert "NetworkPolicy, Secret, Service" in err and f"kubectl apply -f {path}" in err
+    assert not server.objects
+
+
 def test_cli_render_rejects_bad_flags(capsys):
     """Bad render flags exit 2 naming the field."""
     with pytest.raises(SystemExit) as exc:

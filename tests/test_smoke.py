@@ -123,8 +123,19 @@ def test_the_readme_example_runs_as_written(exports):
 
 
 _DEVICES = """
+import os
 import jax, pathwaysutils
+from jax.extend import backend
+from jax.extend.backend import ifrt_proxy
 pathwaysutils.initialize()
+
+def _proxy_client():  # as docs/unmodified-jax.md shows, to present the token
+    options = ifrt_proxy.ClientConnectionOptions()
+    options.initialization_data = {
+        "pathways_ray_token": os.environ["PATHWAYS_RAY_PROXY_TOKEN"].encode()}
+    return ifrt_proxy.get_client(jax.config.read("jax_backend_target"), options)
+
+backend.register_backend_factory("proxy", _proxy_client, priority=-1)
 print("devices", len(jax.devices()), sorted({d.slice_index for d in jax.devices()}))
 """
 
@@ -132,14 +143,16 @@ print("devices", len(jax.devices()), sorted({d.slice_index for d in jax.devices(
 def test_the_proxy_command_serves_plain_jax_and_sigterm_stops_it(exports):
     """`pathways-ray proxy` on the fleet `up` started: it prints the exports, a plain JAX
     script with only those sees its session's chips, and SIGTERM (what Kubernetes
-    sends) stops the server and its sessions like Ctrl-C."""
+    sends) stops the server and its sessions like Ctrl-C. Its token comes from
+    $PATHWAYS_RAY_PROXY_TOKEN, as a Kubernetes Secret hands it over."""
     import signal
     import threading
     import time
 
+    token = "from-a-kubernetes-secret"
     proc = subprocess.Popen(CLI + ["proxy", "--slices", "v6e-2x2:1", "--fleet", NAME],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(exports))
+                            env={**_env(exports), "PATHWAYS_RAY_PROXY_TOKEN": token})
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
                               daemon=True)
@@ -151,6 +164,7 @@ def test_the_proxy_command_serves_plain_jax_and_sigterm_stops_it(exports):
             time.sleep(0.2)
         proxy = dict(ln.strip()[len("export "):].split("=", 1) for ln in lines
                      if ln.strip().startswith("export "))
+        assert proxy["PATHWAYS_RAY_PROXY_TOKEN"] == token
         env = {k: v for k, v in _env(None).items() if not k.startswith(("JAX_", "XLA_"))}
         out = subprocess.run([sys.executable, "-c", _DEVICES], capture_output=True, text=True,
                              timeout=300, env={**env, **proxy})

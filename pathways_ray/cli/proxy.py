@@ -4,6 +4,7 @@ the fleet, through the IFRT proxy protocol (``pathways_ray.proxy``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import threading
 
@@ -45,7 +46,8 @@ def register(sub) -> dict:
     p.add_argument("--token", default=None,
                    help="serve only sessions that present this token (their "
                    "initialization_data pathways_ray_token); 'auto' makes one. Default: "
-                   "none on 127.0.0.1, 'auto' on any other --host")
+                   "$PATHWAYS_RAY_PROXY_TOKEN (a Kubernetes Secret, say), else none on "
+                   "127.0.0.1 and 'auto' on any other --host")
     cluster_flags(p)
     return {"proxy": cmd_proxy}
 
@@ -59,7 +61,7 @@ def cmd_proxy(args) -> int:
             slices[shape] = slices.get(shape, 0) + n
     else:
         slices = [shape for shape, n in args.slices for _ in range(n)]
-    token = args.token
+    token = args.token or os.environ.get("PATHWAYS_RAY_PROXY_TOKEN") or None
     if token is None and args.host not in LOOPBACK:
         token = "auto"
     if token == "auto":
