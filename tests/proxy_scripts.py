@@ -132,7 +132,10 @@ on0 = jax.device_put(y, NamedSharding(one, P("chip")))
 back = jax.device_put(on0, NamedSharding(mesh, P("slice", "chip")))
 w = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P(None, "chip")))
 dp = jax.jit(lambda a, b: jnp.mean(a @ b))(y, w)
+mem = jax.jit(lambda a: jnp.tanh(a) * 2 + 1, out_shardings=rows).lower(x).compile()
+mem = mem.memory_analysis()
 print("RESULT", json.dumps({
+    "mem": [mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes],
     "slices": sorted({d.slice_index for d in mesh.devices.flat}) if PROXY else [0, 1],
     "y": np.asarray(y).tolist(), "total": total, "parts": [p.shape for p in parts],
     "again": np.asarray(again).tolist(), "on0": sorted(d.id for d in on0.devices()),

@@ -97,6 +97,37 @@ def test_plain_jax_sees_one_device_per_chip_of_both_slices(proxy):
     wait_until(lambda: proxy.sessions == 0, 60, "the session did not close after its script")
 
 
+WARM = """
+import json, time
+import numpy as np
+import jax, pathwaysutils
+pathwaysutils.initialize()
+t0 = time.perf_counter()
+devices = jax.devices()
+init_s = time.perf_counter() - t0
+kept = [jax.device_put(np.full(1000, float(i)), devices[i]) for i in range(8)]  # not deleted
+y = jax.jit(lambda a: a * 2)(kept[3])
+print("RESULT", json.dumps({"init_s": init_s, "y": float(y.sum())}), flush=True)
+"""
+
+
+def test_sessions_one_after_another_take_the_chips_up_already_and_leave_them_empty(proxy):
+    """The server made a client (slices reserved, chip workers up) when it started;
+    a session takes it, and at its end hands it on to the next with every array it
+    left freed on the chips (counted there: kept only when no chip holds a buffer).
+    No session of these connects a client of its own."""
+    wait_until(lambda: proxy.sessions == 0, 60, "an earlier session did not close")
+    before = dict(proxy.clients.counts)
+    for _ in range(2):
+        got = _script(WARM, proxy)
+        assert got["y"] == 6000.0
+        wait_until(lambda: proxy.sessions == 0, 60, "the session did not close")
+    took = {k: proxy.clients.counts[k] - before[k] for k in before}
+    assert took["taken_warm"] == 2 and took["connected_cold"] == 0, took
+    assert took["kept"] == 2 and took["closed"] == 0, took
+    assert proxy.clients._ready is not None  # waiting for the next session
+
+
 def test_a_plain_jax_training_script_runs_unchanged_with_local_losses(proxy):
     """20 jit steps with NamedSharding on slice 0's mesh give the losses of the same
     script on 4 local CPU devices; another program runs on slice 1 meanwhile; a 4 MiB
@@ -143,7 +174,8 @@ def test_arrays_and_programs_across_both_slices_give_local_values(proxy):
     """The session's two slices are one JAX world: a hybrid mesh over both (as
     ``mesh_utils.create_hybrid_device_mesh`` makes it from ``slice_index``), a program
     over it, its shards and their assembly, a copy to one slice and back, and a data
-    parallel step, each equal to 8 local CPU devices."""
+    parallel step, each equal to 8 local CPU devices; and the compiled program's
+    ``memory_analysis()`` (a chip's argument and result bytes), as XLA says it locally."""
     got = _script(proxy_scripts.ACROSS, proxy)
     want = _script(proxy_scripts.ACROSS, env={"XLA_FLAGS":
                                               "--xla_force_host_platform_device_count=8"})
@@ -153,6 +185,7 @@ def test_arrays_and_programs_across_both_slices_give_local_values(proxy):
     np.testing.assert_allclose([got["total"], got["dp"]], [want["total"], want["dp"]],
                                rtol=1e-5)
     assert got["parts"] == want["parts"] and got["on0"] == [0, 1, 2, 3]
+    assert got["mem"] == want["mem"] and got["mem"][0] == 64 * 4 * 4 // 8
 
 
 # Runs a published example file as it is, after what a pathwaysutils user adds (and a

@@ -13,9 +13,8 @@ import pytest
 
 from pathways_ray.clusters.topology import Topology
 from pathways_ray.proxy import versions
-from pathways_ray.proxy.devices import plan_devices
+from pathways_ray.proxy.devices import init_response, plan_devices
 from pathways_ray.proxy.errors import INVALID_ARGUMENT, NOT_FOUND, UNIMPLEMENTED
-from pathways_ray.proxy.init import init_response
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
 from pathways_ray.proxy.session import Session
 

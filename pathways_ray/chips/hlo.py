@@ -69,6 +69,17 @@ def _compile_or_load(module: bytes, devices: list, options):
                                               options, [], xc.DeviceList(tuple(devices)))
 
 
+def _memory_stats(executable) -> dict[str, int] | None:
+    """XLA's account of the executable's memory on one chip (``memory_analysis()``):
+    its sizes, not the buffer assignment."""
+    try:
+        stats = executable.get_compiled_memory_stats()
+    except Exception:  # noqa: BLE001 - a backend that does not say
+        return None
+    return {k: int(getattr(stats, k)) for k in dir(stats)
+            if k.endswith(("_bytes", "_allocations")) and isinstance(getattr(stats, k), int)}
+
+
 def compile_hlo(program: HloProgram, start: Where, chips: int,
                 sharding: Callable[[MeshShape, Spec, int], object]) -> CompiledHlo:
     """Compile ``program`` for the placement of ``chips`` chips at world device
@@ -95,5 +106,6 @@ def compile_hlo(program: HloProgram, start: Where, chips: int,
     else:
         layouts = tuple(replicated(chips, len(shape)) for shape, _ in program.out_shapes)
     signature = HloSignature(layouts, tuple(op.SerializeToString() for op in ins),
-                             tuple(op.SerializeToString() for op in outs))
+                             tuple(op.SerializeToString() for op in outs),
+                             _memory_stats(executable))
     return CompiledHlo(program, executable, signature, start, sharding)

@@ -58,6 +58,8 @@ class HloSignature:
     out_layouts: tuple[tuple[MeshShape, Spec], ...]
     in_shardings: tuple[bytes, ...]
     out_shardings: tuple[bytes, ...]
+    # XLA's CompiledMemoryStats of one chip's executable (argument_size_in_bytes, ...)
+    memory_stats: dict[str, int] | None = None
 
     def to_bytes(self) -> bytes:
         return json.dumps({
@@ -65,7 +67,8 @@ class HloSignature:
                      None if m.devices is None else list(m.devices), [list(a) for a in s]]
                     for m, s in self.out_layouts],
             "in_shardings": [b.hex() for b in self.in_shardings],
-            "out_shardings": [b.hex() for b in self.out_shardings]}).encode()
+            "out_shardings": [b.hex() for b in self.out_shardings],
+            "memory_stats": self.memory_stats}).encode()
 
     @staticmethod
     def from_bytes(data: bytes) -> HloSignature:
@@ -74,4 +77,5 @@ class HloSignature:
             tuple((MeshShape(tuple(n), tuple(z), None if dv is None else tuple(dv)),
                    tuple(tuple(a) for a in s)) for n, z, dv, s in d["out"]),
             tuple(bytes.fromhex(h) for h in d["in_shardings"]),
-            tuple(bytes.fromhex(h) for h in d["out_shardings"]))
+            tuple(bytes.fromhex(h) for h in d["out_shardings"]),
+            d.get("memory_stats"))

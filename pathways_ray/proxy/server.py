@@ -49,6 +49,7 @@ from pathways_ray.proxy.protos import (
 )
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
 from pathways_ray.proxy.session import Session
+from pathways_ray.proxy.warm import WarmClients
 
 __all__ = ["ProxyServer"]
 
@@ -121,9 +122,9 @@ def _check(request, context):
 
 
 class _Service(grpc_service.GrpcIfrtServiceServicer):
-    def __init__(self, connect: Callable[[], object], token: str | None = None,
+    def __init__(self, clients: WarmClients, token: str | None = None,
                  host_buffer_timeout_s: float = 300.0):
-        self._connect = connect
+        self.clients = clients
         self.token = token
         self.host_buffer_timeout_s = host_buffer_timeout_s
         self.parser = ProgramParser()  # every session's programs are read out of process
@@ -226,8 +227,9 @@ class _Service(grpc_service.GrpcIfrtServiceServicer):
         with self._lock:
             # A random id: the host-buffer calls name their session by it alone.
             session = Session(secrets.randbits(62), meta.version.protocol_version,
-                              self._connect, refused=refused, parser=self.parser,
-                              host_buffer_timeout_s=self.host_buffer_timeout_s)
+                              self.clients.take, refused=refused, parser=self.parser,
+                              host_buffer_timeout_s=self.host_buffer_timeout_s,
+                              release=self.clients.give_back)
             if refused is None:
                 self.sessions[session.id] = session
         logger.info("session %d opened (protocol version %d, from %s)", session.number,
@@ -309,14 +311,16 @@ class ProxyServer:
     ``host_buffer_timeout_s`` bounds how long a request waits for a host buffer the
     client has not stored (yet): its store travels on a call of its own, which a
     burst of puts can hold back. The process must be connected to the Ray cluster (or
-    have ``$RAY_ADDRESS`` set).
+    have ``$RAY_ADDRESS`` set). ``warm``: a client (slices, chip workers) is made when
+    the server starts and handed from session to session (``proxy.warm``).
     ``start()`` returns the address for ``JAX_BACKEND_TARGET``; ``exports`` are the
     lines a user sets.
     """
 
     def __init__(self, slices: list | dict | None = None, *, service: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 max_workers: int = 128, host_buffer_timeout_s: float = 300.0):
+                 max_workers: int = 128, host_buffer_timeout_s: float = 300.0,
+                 warm: bool = True):
         from pathways_ray.client.connect import connect
 
         if service is not None and not isinstance(slices, dict):
@@ -329,8 +333,13 @@ class ProxyServer:
         # A session's own slices are one JAX world (a mesh may span them, and survives
         # losing one); a lease's are separate worlds.
         joint = service is None and len(slices or []) > 1
-        self._service = _Service(lambda: connect(slices, service=service, multislice=joint),
-                                 token, host_buffer_timeout_s)
+        # Sessions of its own slices take a client made ahead (slices reserved, chip
+        # workers up) and hand it on emptied; a lease from a shared service is taken
+        # per session and given back at its end, not held idle.
+        self.clients = WarmClients(
+            lambda **kw: connect(slices, service=service, multislice=joint, **kw),
+            enabled=service is None and warm)
+        self._service = _Service(self.clients, token, host_buffer_timeout_s)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers,
                                        thread_name_prefix="pathways-ray-proxy"),
@@ -373,6 +382,7 @@ class ProxyServer:
 
     def start(self) -> str:
         self._server.start()
+        self.clients.start()
         logger.info("IFRT proxy serving at %s", self.address)
         return self.address
 
@@ -390,6 +400,7 @@ class ProxyServer:
                                exc_info=True)
             with self._service._lock:
                 self._service.sessions.pop(session.id, None)
+        self.clients.close()
         self._service.parser.close()
 
     def __enter__(self) -> ProxyServer:

@@ -27,7 +27,7 @@ from pathways_ray.clusters.topology import Topology
 from pathways_ray.errors import PathwaysError, SliceLost
 from pathways_ray.proxy import programs
 from pathways_ray.proxy.arrays import ArrayTable, ProxyArray
-from pathways_ray.proxy.devices import ProxyDevice, plan_devices
+from pathways_ray.proxy.devices import ProxyDevice, init_response, plan_devices
 from pathways_ray.proxy.errors import (
     INTERNAL,
     FailedPrecondition,
@@ -41,7 +41,6 @@ from pathways_ray.proxy.errors import (
     status_of,
 )
 from pathways_ray.proxy.host_buffers import HostBuffers, host_array
-from pathways_ray.proxy.init import init_response
 from pathways_ray.proxy.program_parser import ProgramParser
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
 from pathways_ray.proxy.session_programs import ProgramRequests
@@ -72,8 +71,12 @@ class Session(ProgramRequests):
 
     def __init__(self, session_id: int, version: int, connect: Callable[[], object],
                  fetch_timeout_s: float | None = None, refused: str | None = None,
-                 parser: ProgramParser | None = None, host_buffer_timeout_s: float = 300.0):
+                 parser: ProgramParser | None = None, host_buffer_timeout_s: float = 300.0,
+                 release: Callable[..., None] | None = None):
         self.id = session_id
+        # What becomes of the client when the session ends (a server's warm pool may
+        # keep it for the next session: ``release(client, healthy=...)``); else closed.
+        self._release = release or (lambda client, healthy: client.close())
         # Reads the client's programs out of this process (a server shares one).
         self._own_parser = parser is None
         self.parser = parser or ProgramParser()
@@ -97,6 +100,7 @@ class Session(ProgramRequests):
         # Bytes that passed through the proxy: from the client's host buffers, back to
         # it, and between this process and the chips (the session's Client's counters).
         self._counts_lock = threading.Lock()
+        self._client_base: dict[str, int] = {}
         self.counters = {"host_bytes_in": 0, "host_bytes_out": 0, "put_bytes": 0,
                          "fetched_bytes": 0}
 
@@ -108,7 +112,8 @@ class Session(ProgramRequests):
         client = self.client  # close() may clear it meanwhile
         with self._counts_lock:
             if client is not None:
-                self.counters.update({k: client.counters[k]
+                # (A client handed on from an earlier session counted its bytes too.)
+                self.counters.update({k: client.counters[k] - self._client_base.get(k, 0)
                                       for k in ("put_bytes", "fetched_bytes")})
             return dict(self.counters)
 
@@ -218,7 +223,9 @@ class Session(ProgramRequests):
                 raise FailedPrecondition("the session closed before it was initialized")
             if self.client is None:
                 try:
-                    self.client = self._connect()
+                    client = self._connect()
+                    self._client_base = dict(client.counters)
+                    self.client = client
                 except (ProxyStatus, PathwaysError):
                     raise
                 except Exception as e:  # noqa: BLE001 - the platform says why it cannot
@@ -245,13 +252,15 @@ class Session(ProgramRequests):
             self.host_buffers.close()
             self._waits.shutdown(wait=False, cancel_futures=True)
             with self._init_lock:
+                healthy = self.arrays is not None and not self.arrays.lost
                 if self.arrays is not None:
-                    self.arrays.clear()
+                    self.arrays.clear()  # the session's arrays are freed on the chips
                 self.executables.clear()
+                self._futures.clear()
                 if self.client is not None:
                     self.stats()  # the last counts, kept past the client
                     try:
-                        self.client.close()
+                        self._release(self.client, healthy=healthy)
                     finally:
                         self.client = None
 

@@ -75,8 +75,18 @@ class ProgramRequests:
         else:  # lost before it compiled: JAX then keeps the shardings it asked for
             out.output_memory_kinds.status.code = DATA_LOSS
             out.output_memory_kinds.status.message = str(exe.lost)
-        for field in ("parameter_layouts_error", "output_layouts_error",
-                      "donated_input_indices_error", "compiled_memory_stats_error"):
+        unsaid = ["parameter_layouts_error", "output_layouts_error",
+                  "donated_input_indices_error"]
+        stats = exe.signature.memory_stats if exe.signature is not None else None
+        if stats:  # what one chip's executable needs, as jax's memory_analysis() says it
+            fields = out.compiled_memory_stats.DESCRIPTOR.fields_by_name
+            for k, v in stats.items():
+                if k in fields:
+                    setattr(out.compiled_memory_stats, k, v)
+            out.size_of_generated_code_in_bytes = stats.get("generated_code_size_in_bytes", 0)
+        else:
+            unsaid.append("compiled_memory_stats_error")
+        for field in unsaid:
             getattr(out, field).code = UNIMPLEMENTED
             getattr(out, field).message = "not reported by the pathways-ray proxy"
 
