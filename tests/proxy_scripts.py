@@ -296,3 +296,27 @@ train()
 print("RESULT", json.dumps({"losses": losses, "counts": counts,
                             "attempts": attempts[0]}), flush=True)
 """
+
+# Steps of 2 host puts (NumPy arrays passed to a jit) + 1 program, queued without a sync
+# until the end: jaxlib's client runs ahead of the server by thousands of requests.
+BURST = """
+import json, sys, time
+import numpy as np
+import jax, jax.numpy as jnp
+import pathwaysutils
+pathwaysutils.initialize()
+n = int(sys.argv[1])
+
+@jax.jit
+def step(count, acc, x, y):
+    return count + 1, acc + jnp.sum(x * y)
+
+xs = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+count, acc = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+t0 = time.perf_counter()
+for i in range(n):
+    count, acc = step(count, acc, xs[i % 64], xs[(7 * i + 1) % 64])
+queued_s = time.perf_counter() - t0
+print("RESULT", json.dumps({"count": int(count), "acc": float(acc), "queued_s": queued_s,
+                            "s": time.perf_counter() - t0}), flush=True)
+"""
