@@ -4,7 +4,8 @@ and in local JAX, on one emulated v6e 2x2 slice (4 chips); and how fast a sessio
     python benchmarks/proxy_ops.py [--n 200] [--sessions 10]
 
 Every op works on the slice's 4-chip mesh (an array's rows split over the chips):
-- put 1 KiB / put 1 MiB: ``device_put`` of a host array, ``--n`` of them, then a wait;
+- put 1 KiB / put 1 MiB: ``device_put`` of a host array, ``--n`` of them, then a wait
+  for the last;
 - jit dispatch: a chain ``z = f(z)`` of a one-add program, then a wait;
 - round trip: ``z = f(z)`` then ``np.asarray(z)``, each time (dispatch + readback);
 - step, host batch: a train step (a 512x128 batch, a 128x16 weight) whose batch is
@@ -68,8 +69,8 @@ small = np.ones(256, np.float32)
 big = np.ones(1 << 18, np.float32)
 inc = jit(lambda a: a + 1)
 
-def puts(x):
-    return lambda k: wait([put(x) for _ in range(k)])
+def puts(x):  # a slice runs its commands in order: the last one done, all are
+    return lambda k: wait([put(x) for _ in range(k)][-1])
 
 def chain(k):
     z = put(small)
