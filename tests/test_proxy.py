@@ -44,7 +44,7 @@ def proxy():
 
     with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tproxy",
                     log_to_driver=False) as fleet:
-        server = ProxyServer(["v6e-2x2", "v6e-2x2"])
+        server = ProxyServer(["v6e-2x2", "v6e-2x2"], warm=True)
         server.fleet = fleet
         server.start()
         try:
@@ -324,6 +324,10 @@ def test_a_session_without_the_token_or_with_another_is_refused_by_name(proxy):
 
     with pytest.raises(ValueError, match="host='0.0.0.0' serves the network: give token"):
         ProxyServer(["v6e-2x2"], host="0.0.0.0")
+    # The module's server keeps a warm client holding both slices: it lets them go (and
+    # keeps no more clients), so that this second server's session can have them.
+    wait_until(lambda: proxy.sessions == 0, 60, "an earlier session did not close")
+    proxy.clients.close()
     with ProxyServer(["v6e-2x2", "v6e-2x2"], token="t0ken") as guarded:
         assert guarded.exports["PATHWAYS_RAY_PROXY_TOKEN"] == "t0ken"
         env = {k: v for k, v in _env(guarded).items() if k != "PATHWAYS_RAY_PROXY_TOKEN"}

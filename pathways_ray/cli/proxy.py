@@ -48,6 +48,10 @@ def register(sub) -> dict:
                    "initialization_data pathways_ray_token); 'auto' makes one. Default: "
                    "$PATHWAYS_RAY_PROXY_TOKEN (a Kubernetes Secret, say), else none on "
                    "127.0.0.1 and 'auto' on any other --host")
+    p.add_argument("--cold", action="store_true",
+                   help="no warm client: each session reserves its slices and starts its "
+                   "chip workers itself (default: one client is kept ready, holding its "
+                   "slices between sessions, so jax.devices() answers at once)")
     cluster_flags(p)
     return {"proxy": cmd_proxy}
 
@@ -69,7 +73,7 @@ def cmd_proxy(args) -> int:
     fleet = connect_for_status(argparse.Namespace(address=args.address, name=args.fleet))
     try:
         server = ProxyServer(slices, service=args.service, host=args.host, port=args.port,
-                             token=token)
+                             token=token, warm=not args.cold)
         server.start()
         try:
             console.print(f"IFRT proxy serving at {server.address}; run a JAX program with:")

@@ -312,7 +312,9 @@ class ProxyServer:
     client has not stored (yet): its store travels on a call of its own, which a
     burst of puts can hold back. The process must be connected to the Ray cluster (or
     have ``$RAY_ADDRESS`` set). ``warm``: a client (slices, chip workers) is made when
-    the server starts and handed from session to session (``proxy.warm``).
+    the server starts and handed from session to session (``proxy.warm``); it holds its
+    slices while no session runs, so it is for a fleet that serves this proxy
+    (``pathways-ray proxy`` turns it on unless ``--cold``).
     ``start()`` returns the address for ``JAX_BACKEND_TARGET``; ``exports`` are the
     lines a user sets.
     """
@@ -320,7 +322,7 @@ class ProxyServer:
     def __init__(self, slices: list | dict | None = None, *, service: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  max_workers: int = 128, host_buffer_timeout_s: float = 300.0,
-                 warm: bool = True):
+                 warm: bool = False):
         from pathways_ray.client.connect import connect
 
         if service is not None and not isinstance(slices, dict):
