@@ -27,7 +27,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from .manifests import ClusterConfig, _cluster_spec, _finish, _metadata
+from .manifests import ClusterConfig, _check_quantity, _cluster_spec, _finish, _metadata
 
 __all__ = ["CLIENT_LABEL", "ProxyConfig", "client_pod", "proxy_cluster"]
 
@@ -60,6 +60,8 @@ class ProxyConfig:
                 self.secret) <= 253 and _DNS_1123_SUBDOMAIN.match(self.secret)):
             raise ValueError(f"secret={self.secret!r} is not a Secret name (lowercase letters, "
                              f"digits, '-' and '.', at most 253)")
+        _check_quantity("cpu", self.cpu)
+        _check_quantity("memory", self.memory)
         for s in self.slices:
             if not isinstance(s, str) or not re.match(r"^[a-z0-9]+-[0-9x]+(:[1-9][0-9]*)?$", s):
                 raise ValueError(f"slices={self.slices!r}: each is SHAPE[:COUNT], "

@@ -122,6 +122,7 @@ def test_a_client_pod_has_the_label_the_backend_target_and_the_token():
 @pytest.mark.parametrize("bad, named", [
     (dict(port=6379), "port=6379"), (dict(port=80), "port=80"),
     (dict(secret="Bad_Name"), "secret='Bad_Name'"), (dict(slices=("v6e 4x4",)), "slices="),
+    (dict(memory="8 GB"), "memory='8 GB' is not a Kubernetes quantity"),
 ])
 def test_bad_proxy_settings_are_named(bad, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):

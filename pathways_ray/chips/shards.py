@@ -338,14 +338,12 @@ class CarriedBuffers:
         for buffer_id, value in values:
             if buffer_id in pending:
                 value = gone
-            elif _deleted(value):
-                value = Failed("carry", _GONE)
             elif not isinstance(value, Failed):
                 try:
                     out[buffer_id] = _carry(value)
                     continue
                 except Exception as e:  # noqa: BLE001 - its program failed on the chips
-                    if _deleted(value):  # donated since it was looked at
+                    if _deleted(value):  # a program took it as a donated input
                         out[buffer_id] = Carried((), "", (), failed=Failed("carry", _GONE))
                         continue
                     if settle_s is None:
