@@ -97,6 +97,14 @@ try:  # a host callback (not served: jaxlib's proxy client refuses it itself)
     print("CALLBACK", json.dumps({"error": None}))
 except Exception as e:
     print("CALLBACK", json.dumps({"error": str(e), "type": type(e).__name__}))
+try:  # a colocated Python function: its program is a cloudpickled custom call
+    from jax.experimental import colocated_python
+    cpus = colocated_python.colocated_cpu_devices(devices[:1])
+    plus_one = colocated_python.colocated_python(lambda a: a + 1)
+    np.asarray(plus_one(jax.device_put(np.arange(4.0), cpus[0])))
+    print("COLOCATED", json.dumps({"error": None}))
+except Exception as e:
+    print("COLOCATED", json.dumps({"error": str(e), "type": type(e).__name__}))
 z = other(z)  # the session goes on
 print("OK", float(np.asarray(z).sum()), flush=True)
 """
@@ -319,4 +327,120 @@ for i in range(n):
 queued_s = time.perf_counter() - t0
 print("RESULT", json.dumps({"count": int(count), "acc": float(acc), "queued_s": queued_s,
                             "s": time.perf_counter() - t0}), flush=True)
+"""
+
+# Orbax with pathwaysutils' persistence (ENABLE_PATHWAYS_PERSISTENCE=1): the chips write
+# and read the arrays themselves. A train state made on slice 0's chips is saved,
+# restored onto slice 0 and onto slice 1; through the proxy, a write to a location the
+# hosts cannot write and a read of an array not there fail by name, and the session goes
+# on. Locally (8 CPU devices) it is plain Orbax.
+PERSIST = """
+import datetime, json, os, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+PROXY = os.environ.get("JAX_PLATFORMS") == "proxy"
+if PROXY:
+    import pathwaysutils
+    pathwaysutils.initialize()
+import orbax.checkpoint as ocp
+path = sys.argv[1]
+devices = jax.devices()
+mesh0 = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
+mesh1 = Mesh(np.array(devices[4:8]).reshape(2, 2), ("data", "model"))
+
+def made(shape, dtype, spec, seed):  # on the chips: none of its bytes from the client
+    return jax.jit(lambda: jax.random.normal(jax.random.key(seed), shape).astype(dtype),
+                   out_shardings=NamedSharding(mesh0, spec))()
+
+state = {"w": made((1024, 1024), jnp.float32, P("data", "model"), 0),  # 4 MiB
+         "h": made((256, 64), jnp.bfloat16, P(None, "data"), 1),
+         "b": made((1024,), jnp.float32, P("model"), 2),
+         "step": jax.jit(lambda: jnp.int32(7), out_shardings=NamedSharding(mesh0, P()))()}
+with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path, state)
+    ckpt.wait_until_finished()
+
+def like(mesh):
+    return {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec))
+            for k, a in state.items()}
+
+with ocp.StandardCheckpointer() as ckpt:
+    same = ckpt.restore(path, like(mesh0))
+    other = ckpt.restore(path, like(mesh1))
+equal = jax.jit(lambda a, b: jnp.array_equal(a, b))
+out = {"same": all(bool(equal(same[k], state[k])) for k in state),
+       "other": all(bool(equal(jax.device_put(other[k], state[k].sharding), state[k]))
+                    for k in state),
+       "other_on": sorted({d.id for k in other for d in other[k].sharding.device_set}),
+       "specs": {k: str(same[k].sharding.spec) for k in same},
+       "sums": {k: float(jnp.sum(state[k].astype(jnp.float32))) for k in state},
+       "files": sorted(os.listdir(path))}
+if PROXY:
+    from pathwaysutils.persistence import helper
+    minute = datetime.timedelta(seconds=60)
+    for what, call in (
+            ("unwritable", lambda: helper.write_arrays(
+                "/proc/pathways-ray-nowhere", ["w"], [state["w"]], minute).result(60)),
+            ("missing", lambda: helper.read_arrays(
+                path, ["nothere"], [np.dtype("float32")], [(8,)],
+                [NamedSharding(mesh0, P())], mesh0.devices, minute)[1].result(60))):
+        try:
+            call()
+            out[what] = None
+        except Exception as e:
+            out[what] = f"{type(e).__name__}: {e}"
+    out["after"] = float(jnp.sum(jax.jit(lambda a: a * 2)(state["b"])))  # the session goes on
+print("RESULT", json.dumps(out), flush=True)
+"""
+
+# pathwaysutils' profile request (what its patched jax.profiler.start_trace sends,
+# after checking that the directory is a gs:// bucket, which this machine has none of)
+# and jax.profiler.stop_trace(): one trace of every chip of both slices.
+PROFILE = """
+import json, sys
+import numpy as np
+import jax, jax.numpy as jnp
+import pathwaysutils
+pathwaysutils.initialize()
+from pathwaysutils import profiling
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+both = Mesh(np.array(jax.devices()[:8]), ("data",))
+x = jax.device_put(np.ones((64, 64), np.float32), NamedSharding(both, P("data")))
+f = jax.jit(lambda a: jnp.tanh(a @ a.T).sum())
+f(x).block_until_ready()
+profiling._start_pathways_trace_from_profile_request(
+    profiling._create_profile_request(sys.argv[1]))
+profiling._original_start_trace(sys.argv[1])
+for _ in range(3):
+    y = f(x)
+print("RESULT", json.dumps({"y": float(y)}), flush=True)
+jax.profiler.stop_trace()
+"""
+
+# pathwaysutils.reshard between shardings and slices (IFRT's ReshardArrays, which local
+# JAX's own client does not have: there it is jax.device_put, the reference).
+RESHARD = """
+import json, os
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+PROXY = os.environ.get("JAX_PLATFORMS") == "proxy"
+if PROXY:
+    import pathwaysutils
+    pathwaysutils.initialize()
+from pathwaysutils import reshard
+devices = jax.devices()
+mesh0 = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
+mesh1 = Mesh(np.array(devices[4:8]).reshape(2, 2), ("data", "model"))
+x = jax.jit(lambda: jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32),
+            out_shardings=NamedSharding(mesh0, P("data", "model")))()
+tree = {"x": x, "y": x * 2}
+move = reshard.reshard if PROXY else jax.device_put
+moved = move(tree, {"x": NamedSharding(mesh1, P("model", None)),
+                    "y": NamedSharding(mesh0, P(None, "data"))})
+print("RESULT", json.dumps({
+    "x": np.asarray(moved["x"]).tolist(), "y": np.asarray(moved["y"]).sum().item(),
+    "x_on": sorted(d.id for d in moved["x"].sharding.device_set),
+    "specs": [str(moved[k].sharding.spec) for k in ("x", "y")]}), flush=True)
 """

@@ -75,9 +75,10 @@ def _plain_jax(server, *args, timeout_s: float = 240) -> subprocess.CompletedPro
                           text=True, timeout=timeout_s, env=_env(server))
 
 
-def _script(source: str, server=None, timeout_s: float = 300, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
-                         timeout=timeout_s, env={**_env(server), **(env or {})})
+def _script(source: str, server=None, timeout_s: float = 300, env: dict | None = None,
+            args: tuple[str, ...] = ()) -> dict:
+    out = subprocess.run([sys.executable, "-c", source, *args], capture_output=True,
+                         text=True, timeout=timeout_s, env={**_env(server), **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT"))
     return json.loads(line.removeprefix("RESULT"))
@@ -262,7 +263,69 @@ def test_a_host_callback_is_refused_by_name_and_the_session_goes_on(proxy):
                                if ln.startswith("CALLBACK")).removeprefix("CALLBACK"))
     assert callback["type"] == "JaxRuntimeError", callback
     assert "UNIMPLEMENTED" in callback["error"] and "host callback" in callback["error"]
+    colocated = json.loads(next(ln for ln in out.stdout.splitlines()
+                                if ln.startswith("COLOCATED")).removeprefix("COLOCATED"))
+    assert colocated["type"] == "JaxRuntimeError", colocated
+    assert "UNIMPLEMENTED" in colocated["error"] and "colocated_python" in colocated["error"]
     assert any(ln.startswith("OK") for ln in out.stdout.splitlines())
+
+
+def test_orbax_with_pathways_persistence_writes_and_reads_on_the_chips(proxy, tmp_path):
+    """``ENABLE_PATHWAYS_PERSISTENCE=1``: Orbax's ``StandardCheckpointer`` saves a train
+    state made on slice 0 (4 MiB of it one array) and restores it onto slice 0 and onto
+    slice 1, equal, with the local run's values; the chips write and read every byte
+    (none passes through the proxy) as TensorStore arrays at ``<checkpoint>/<name>``. A
+    write to a location the hosts cannot write and a read of an array that is not there
+    fail by name; the session goes on."""
+    import tensorstore as ts
+
+    before = proxy.stats()
+    got = _script(proxy_scripts.PERSIST, proxy, env={"ENABLE_PATHWAYS_PERSISTENCE": "1"},
+                  args=(str(tmp_path / "ckpt"),))
+    after = proxy.stats()
+    want = _script(proxy_scripts.PERSIST, args=(str(tmp_path / "local"),),
+                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert got["same"] and got["other"] and got["other_on"] == [4, 5, 6, 7]
+    assert got["specs"] == want["specs"] and got["sums"] == pytest.approx(want["sums"])
+    through = {k: after[k] - before[k] for k in after}
+    assert through["host_bytes_in"] + through["host_bytes_out"] < 64 << 10, through
+    assert through["put_bytes"] + through["fetched_bytes"] < 64 << 10, through
+    assert {"w", "h", "b", "step", "_METADATA"} <= set(got["files"])
+    w = ts.open({"driver": "zarr", "kvstore": {"driver": "file",
+                                               "path": str(tmp_path / "ckpt" / "w")}}).result()
+    assert w.shape == (1024, 1024)
+    assert float(np.sum(w.read().result(), dtype=np.float64)) == pytest.approx(
+        want["sums"]["w"], rel=1e-5)
+    assert "JaxRuntimeError" in got["unwritable"] and "/proc/pathways-ray-nowhere" in (
+        got["unwritable"])
+    assert "JaxRuntimeError" in got["missing"] and "nothere" in got["missing"]
+    assert got["after"] == pytest.approx(2 * want["sums"]["b"], rel=1e-5)
+
+
+def test_a_pathwaysutils_profile_traces_every_chip_of_both_slices(proxy, tmp_path):
+    """pathwaysutils' profile request starts a trace of the session's chips and
+    ``jax.profiler.stop_trace()`` writes it where the request says: one trace, every
+    chip of both slices in it with its events, beside the client's own."""
+    import gzip
+
+    got = _script(proxy_scripts.PROFILE, proxy, args=(str(tmp_path),))
+    assert got["y"] == 4096.0
+    runs = sorted((tmp_path / "plugins" / "profile").iterdir())
+    traces = [p for r in runs for p in r.glob("pathways.perfetto.json.gz")]
+    assert len(traces) == 1 and (traces[0].parent / "pathways.xplane.pb").stat().st_size > 0
+    assert any(r.glob("*.xplane.pb") for r in runs if r != traces[0].parent)  # the client's
+    events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    chips = {names[e["pid"]] for e in events if e.get("ph") == "X" and "chip" in names[e["pid"]]}
+    assert len(chips) == 8 and len({c.split(" chip")[0] for c in chips}) == 2
+
+
+def test_pathwaysutils_reshard_moves_a_tree_between_shardings_and_slices(proxy):
+    got = _script(proxy_scripts.RESHARD, proxy)
+    want = _script(proxy_scripts.RESHARD, env={"XLA_FLAGS":
+                                               "--xla_force_host_platform_device_count=8"})
+    assert got == want and got["x_on"] == [4, 5, 6, 7]
 
 
 def test_a_client_outside_the_protocol_versions_is_refused_naming_both_ranges(proxy):

@@ -19,6 +19,7 @@ from pathways_ray.proxy.errors import (
     Unimplemented,
 )
 from pathways_ray.proxy.host_buffers import MAX_ELEMENTS
+from pathways_ray.proxy.plugins.run import PluginExecutable, compile_plugin
 from pathways_ray.proxy.types import dtype_of
 
 __all__ = ["ProgramRequests"]
@@ -38,23 +39,36 @@ class ProgramRequests:
         if req.host_callbacks:
             raise Unimplemented("programs with host callbacks (jax.debug.print, "
                                       "pure_callback) are not served by the pathways-ray proxy")
-        exe = programs.compile_program(self.arrays, self.parser, req.program.data,
-                                       req.compile_options.data,
-                                       self._timeout_s)
+        kind = req.program.type_name
+        if kind == "xla::ifrt::PluginProgram":
+            exe = compile_plugin(self.arrays, req.program.data)
+            name, fingerprint = exe.name, f"plugin-{next(self._handles)}"
+        elif kind in ("", "xla::ifrt::XlaProgram"):
+            exe = programs.compile_program(self.arrays, self.parser, req.program.data,
+                                           req.compile_options.data, self._timeout_s)
+            name, fingerprint = exe.program.fun_name, exe.program.fingerprint
+        elif kind == "xla::ifrt::CustomCallProgram":
+            raise Unimplemented(
+                "custom-call programs (jax.experimental.colocated_python sends its functions "
+                "as one, cloudpickled) are not run by the pathways-ray proxy: run host code "
+                "beside the chips with pathways-ray's sidecars (client.sidecar)")
+        else:
+            raise Unimplemented(f"IFRT programs of type {kind!r} are not served by the "
+                                f"pathways-ray proxy (served: XlaProgram, PluginProgram)")
         handle = next(self._handles)
         self.executables[handle] = exe
         ready = next(self._handles)
         self._futures[ready] = lambda: None
         out = response.compile_response
         out.loaded_executable_handle = handle
-        out.name = exe.program.fun_name
+        out.name = name
         out.num_devices = len(exe.device_ids)
         out.device_ids.extend(exe.device_ids)
         out.addressable_device_ids.extend(exe.device_ids)
-        out.fingerprint_value = exe.program.fingerprint.encode()
+        out.fingerprint_value = fingerprint.encode()
         out.ready_future_handle = ready
 
-    def _executable(self, handle: int) -> programs.Executable:
+    def _executable(self, handle: int) -> programs.Executable | PluginExecutable:
         if handle not in self.executables:
             raise NotFound(f"unknown loaded executable handle {handle}")
         return self.executables[handle]
@@ -64,6 +78,13 @@ class ProgramRequests:
 
         exe = self._executable(req.loaded_executable_handle)
         out = response.loaded_executable_metadata_response
+        if isinstance(exe, PluginExecutable):  # no XLA program: nothing of one to say
+            for status in (out.parameter_layouts_error, out.output_layouts_error,
+                           out.donated_input_indices_error, out.compiled_memory_stats_error,
+                           out.output_memory_kinds.status):
+                status.code = UNIMPLEMENTED
+                status.message = f"a plugin program ({exe.name}) has no XLA metadata"
+            return
         if exe.signature is not None:
             for ops, into in ((exe.signature.in_shardings, out.parameter_shardings),
                               (exe.signature.out_shardings, out.output_shardings)):
@@ -95,6 +116,8 @@ class ProgramRequests:
         hold ``DATA_LOSS`` (as its status does), raised where the client reads them."""
         exe = self._executable(req.loaded_executable_handle)
         args = [self.arrays.entry(h) for h in req.args_handles]
+        if isinstance(exe, PluginExecutable):
+            return self._execute_plugin(exe, req, args, response)
         n_out = len(exe.hlo.out_shapes)
         if req.result_array_handle and len(req.result_array_handle) != n_out:
             raise InvalidArgument(f"{len(req.result_array_handle)} result handles for a "
@@ -132,6 +155,33 @@ class ProgramRequests:
                 op = (None if exe.single or exe.signature is None
                       else exe.signature.out_shardings[i])
                 o.sharding.CopyFrom(hlo_sharding_proto(exe.device_ids, op, kind))
+
+    def _execute_plugin(self, exe: PluginExecutable, req, args, response) -> None:
+        failed = next((a for a in args if isinstance(a, BaseException)), None)
+        if failed is not None:
+            raise failed
+        outs, wait = exe.execute(self.arrays, args)
+        if req.result_array_handle and len(req.result_array_handle) != len(outs):
+            raise InvalidArgument(f"{len(req.result_array_handle)} result handles for a "
+                                  f"plugin program of {len(outs)} results")
+        handles = list(req.result_array_handle) or [next(self._handles) for _ in outs]
+        for h, a in zip(handles, outs, strict=True):
+            self.arrays.set(h, a)
+        out = response.loaded_executable_execute_response
+        out.SetInParent()
+        status = req.result_status_handle or next(self._handles)
+        self._futures[status] = wait
+        out.status_handle = status
+        if not req.result_array_handle:
+            from pathways_ray.proxy.types import dtype_proto, hlo_sharding_proto
+
+            for h, a in zip(handles, outs, strict=True):
+                o = out.outputs.add(array_handle=h)
+                o.dtype.CopyFrom(dtype_proto(a.dtype))
+                o.shape.dims.extend(a.shape)
+                o.sharding.CopyFrom(hlo_sharding_proto(
+                    a.device_ids, a.op.SerializeToString() if a.op is not None else None,
+                    self.devices[a.device_ids[0]].memory_kind))
 
     def _loaded_executable_fetch_execute_result(self, req, response, wait) -> None:
         wait()

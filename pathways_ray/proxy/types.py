@@ -30,12 +30,12 @@ from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
 __all__ = ["Placed", "ProxySharding", "dtype_of", "dtype_proto", "group_ranks",
            "hlo_sharding_proto", "parse_sharding", "place"]
 
-_NUMPY = {"PRED": "bool", "S8": "int8", "S16": "int16", "S32": "int32", "S64": "int64",
+NUMPY_DTYPES = {"PRED": "bool", "S8": "int8", "S16": "int16", "S32": "int32", "S64": "int64",
           "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16",
           "F32": "float32", "F64": "float64", "BF16": "bfloat16", "C64": "complex64",
           "C128": "complex128", "F8E4M3FN": "float8_e4m3fn", "F8E5M2": "float8_e5m2",
           "S4": "int4", "U4": "uint4"}
-_KIND = {v: k for k, v in _NUMPY.items()}
+_KIND = {v: k for k, v in NUMPY_DTYPES.items()}
 
 
 def dtype_of(proto) -> np.dtype:
@@ -44,12 +44,12 @@ def dtype_of(proto) -> np.dtype:
         name = dtype_pb2.DTypeProto.Kind.Name(proto.kind).removeprefix("KIND_")
     except ValueError:
         raise InvalidArgument(f"dtype kind {proto.kind} is not a dtype of IFRT's") from None
-    if name not in _NUMPY:
+    if name not in NUMPY_DTYPES:
         raise Unimplemented(f"dtype {name} is not served by the pathways-ray proxy (it serves "
-                         f"{', '.join(sorted(_NUMPY))})")
+                         f"{', '.join(sorted(NUMPY_DTYPES))})")
     import ml_dtypes  # noqa: F401 - registers bfloat16 and the float8s with numpy
 
-    return np.dtype(_NUMPY[name])
+    return np.dtype(NUMPY_DTYPES[name])
 
 
 def dtype_proto(dtype) -> dtype_pb2.DTypeProto:

@@ -192,7 +192,11 @@ class Save:
     """Write buffers as one Orbax checkpoint at ``path``, every chip its own shards
     (Orbax's multi-process save over the placement's JAX world). ``keys`` are the
     pytree paths of the inputs; ``status`` becomes a replicated int32 scalar, the
-    number of arrays saved, once the checkpoint is committed."""
+    number of arrays saved, once the checkpoint is committed.
+
+    ``each``: every array its own TensorStore array at ``path/<key>`` instead (what
+    Orbax's ``ArrayHandler`` writes without OCDBT, and Cloud Pathways' persistence
+    requests ask for), whole once every chip's ``status`` is."""
 
     path: str
     keys: tuple[tuple[str, ...], ...]
@@ -200,6 +204,7 @@ class Save:
     status: int
     mesh: MeshShape
     start: int = 0
+    each: bool = False
 
     @property
     def reads(self) -> tuple[int, ...]:
@@ -210,13 +215,15 @@ class Save:
         return (self.status,)
 
     def __reduce__(self):
-        return (Save, (self.path, self.keys, self.inputs, self.status, self.mesh, self.start))
+        return (Save, (self.path, self.keys, self.inputs, self.status, self.mesh, self.start,
+                       self.each))
 
 
 @dataclass(frozen=True, slots=True)
 class Restore:
     """Read arrays of the Orbax checkpoint at ``path`` into new buffers, every chip
-    only its own shards. ``keys``, ``shapes``, ``dtypes`` and ``specs`` are per output."""
+    only its own shards. ``keys``, ``shapes``, ``dtypes`` and ``specs`` are per output;
+    ``each``: the arrays are TensorStore arrays at ``path/<key>`` (see ``Save``)."""
 
     path: str
     keys: tuple[tuple[str, ...], ...]
@@ -226,6 +233,7 @@ class Restore:
     specs: tuple[Spec, ...]
     mesh: MeshShape
     start: int = 0
+    each: bool = False
 
     reads = ()
 
@@ -235,7 +243,7 @@ class Restore:
 
     def __reduce__(self):
         return (Restore, (self.path, self.keys, self.outputs, self.shapes, self.dtypes,
-                          self.specs, self.mesh, self.start))
+                          self.specs, self.mesh, self.start, self.each))
 
 
 @dataclass(frozen=True, slots=True)
