@@ -16,12 +16,14 @@ __all__ = [
     "DIR_ENV",
     "NAMESPACE",
     "PLATFORM_ENV",
+    "STORAGE_ENV",
     "TIMEOUTS",
     "TRANSFER_ENV",
     "Timeout",
     "USER_ENV",
     "base_dir",
     "default_compilation_cache_dir",
+    "storage_roots",
     "timeout_s",
     "transfer_mode",
 ]
@@ -37,6 +39,10 @@ USER_ENV = "PATHWAYS_RAY_USER"  # who a shared service's status shows (default: 
 # or "objects" (Ray objects through the hosts' stores).
 TRANSFER_ENV = "PATHWAYS_RAY_TRANSFER"
 TRANSFER_MODES = ("pull", "objects")
+# Where a proxy's clients may have the chips write and read (persistence, profiles): a
+# comma-separated list of directories and URL prefixes; by default any bucket (the
+# hosts' own credentials decide), no local path.
+STORAGE_ENV = "PATHWAYS_RAY_PROXY_STORAGE"
 
 
 def transfer_mode() -> str:
@@ -46,6 +52,12 @@ def transfer_mode() -> str:
         raise ValueError(f"{TRANSFER_ENV}={mode!r} is not a transfer mode; use one of "
                          f"{', '.join(TRANSFER_MODES)}")
     return mode
+
+
+def storage_roots() -> tuple[str, ...]:
+    """``$PATHWAYS_RAY_PROXY_STORAGE`` as a tuple (default: ``("gs://",)``)."""
+    value = os.environ.get(STORAGE_ENV, "gs://")
+    return tuple(r.strip() for r in value.split(",") if r.strip())
 
 
 def base_dir() -> Path:

@@ -333,7 +333,8 @@ print("RESULT", json.dumps({"count": int(count), "acc": float(acc), "queued_s": 
 # and read the arrays themselves. A train state made on slice 0's chips is saved,
 # restored onto slice 0 and onto slice 1; through the proxy, a write to a location the
 # hosts cannot write and a read of an array not there fail by name, and the session goes
-# on. Locally (8 CPU devices) it is plain Orbax.
+# on; so does a location outside what the server lets clients use. Locally (8 CPU
+# devices) it is plain Orbax.
 PERSIST = """
 import datetime, json, os, sys
 import numpy as np
@@ -379,9 +380,13 @@ out = {"same": all(bool(equal(same[k], state[k])) for k in state),
 if PROXY:
     from pathwaysutils.persistence import helper
     minute = datetime.timedelta(seconds=60)
+    blocked = os.path.join(os.path.dirname(path), "a-file")
+    open(blocked, "w").close()  # a directory there cannot be made
     for what, call in (
+            ("outside", lambda: helper.write_arrays(
+                "/etc/pathways-ray", ["w"], [state["w"]], minute).result(60)),
             ("unwritable", lambda: helper.write_arrays(
-                "/proc/pathways-ray-nowhere", ["w"], [state["w"]], minute).result(60)),
+                os.path.join(blocked, "ckpt"), ["w"], [state["w"]], minute).result(60)),
             ("missing", lambda: helper.read_arrays(
                 path, ["nothere"], [np.dtype("float32")], [(8,)],
                 [NamedSharding(mesh0, P())], mesh0.devices, minute)[1].result(60))):
@@ -419,7 +424,8 @@ jax.profiler.stop_trace()
 """
 
 # pathwaysutils.reshard between shardings and slices (IFRT's ReshardArrays, which local
-# JAX's own client does not have: there it is jax.device_put, the reference).
+# JAX's own client does not have: there it is jax.device_put, the reference), and back
+# with pathwaysutils.experimental.reshard (a plugin program).
 RESHARD = """
 import json, os
 import numpy as np
@@ -436,11 +442,16 @@ mesh1 = Mesh(np.array(devices[4:8]).reshape(2, 2), ("data", "model"))
 x = jax.jit(lambda: jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32),
             out_shardings=NamedSharding(mesh0, P("data", "model")))()
 tree = {"x": x, "y": x * 2}
-move = reshard.reshard if PROXY else jax.device_put
-moved = move(tree, {"x": NamedSharding(mesh1, P("model", None)),
-                    "y": NamedSharding(mesh0, P(None, "data"))})
+from pathwaysutils.experimental import reshard as sidechannel
+targets = {"x": NamedSharding(mesh1, P("model", None)), "y": NamedSharding(mesh0, P(None, "data"))}
+moved = (reshard.reshard if PROXY else jax.device_put)(tree, targets)
+# The "sidechannel" reshard: a plugin program (reshardRequest) on Cloud Pathways.
+again = (sidechannel.reshard if PROXY else jax.device_put)(moved, {"x": x.sharding,
+                                                                   "y": x.sharding})
 print("RESULT", json.dumps({
     "x": np.asarray(moved["x"]).tolist(), "y": np.asarray(moved["y"]).sum().item(),
     "x_on": sorted(d.id for d in moved["x"].sharding.device_set),
-    "specs": [str(moved[k].sharding.spec) for k in ("x", "y")]}), flush=True)
+    "specs": [str(moved[k].sharding.spec) for k in ("x", "y")],
+    "again": [np.asarray(again[k]).sum().item() for k in ("x", "y")],
+    "again_on": sorted(d.id for d in again["x"].sharding.device_set)}), flush=True)
 """

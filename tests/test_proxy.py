@@ -38,12 +38,16 @@ sys.stdout.flush()
 
 
 @pytest.fixture(scope="module")
-def proxy():
+def proxy(tmp_path_factory):
     from pathways_ray import LocalFleet
+    from pathways_ray.config import STORAGE_ENV
     from pathways_ray.proxy.server import ProxyServer
 
-    with LocalFleet(num_slices=2, accelerator="v6e", topology="2x2", name="tproxy",
-                    log_to_driver=False) as fleet:
+    with pytest.MonkeyPatch.context() as env, LocalFleet(
+            num_slices=2, accelerator="v6e", topology="2x2", name="tproxy",
+            log_to_driver=False) as fleet:
+        # The chips may write and read under the tests' own directories (and buckets).
+        env.setenv(STORAGE_ENV, f"gs://,{tmp_path_factory.getbasetemp()}")
         server = ProxyServer(["v6e-2x2", "v6e-2x2"], warm=True)
         server.fleet = fleet
         server.start()
@@ -275,8 +279,8 @@ def test_orbax_with_pathways_persistence_writes_and_reads_on_the_chips(proxy, tm
     state made on slice 0 (4 MiB of it one array) and restores it onto slice 0 and onto
     slice 1, equal, with the local run's values; the chips write and read every byte
     (none passes through the proxy) as TensorStore arrays at ``<checkpoint>/<name>``. A
-    write to a location the hosts cannot write and a read of an array that is not there
-    fail by name; the session goes on."""
+    write outside the server's storage roots, one the hosts cannot write and a read of an
+    array that is not there fail by name; the session goes on."""
     import tensorstore as ts
 
     before = proxy.stats()
@@ -296,8 +300,8 @@ def test_orbax_with_pathways_persistence_writes_and_reads_on_the_chips(proxy, tm
     assert w.shape == (1024, 1024)
     assert float(np.sum(w.read().result(), dtype=np.float64)) == pytest.approx(
         want["sums"]["w"], rel=1e-5)
-    assert "JaxRuntimeError" in got["unwritable"] and "/proc/pathways-ray-nowhere" in (
-        got["unwritable"])
+    assert "PERMISSION_DENIED" in got["outside"] and "/etc/pathways-ray" in got["outside"]
+    assert "JaxRuntimeError" in got["unwritable"] and "a-file/ckpt" in got["unwritable"]
     assert "JaxRuntimeError" in got["missing"] and "nothere" in got["missing"]
     assert got["after"] == pytest.approx(2 * want["sums"]["b"], rel=1e-5)
 
@@ -325,7 +329,7 @@ def test_pathwaysutils_reshard_moves_a_tree_between_shardings_and_slices(proxy):
     got = _script(proxy_scripts.RESHARD, proxy)
     want = _script(proxy_scripts.RESHARD, env={"XLA_FLAGS":
                                                "--xla_force_host_platform_device_count=8"})
-    assert got == want and got["x_on"] == [4, 5, 6, 7]
+    assert got == want and got["x_on"] == [4, 5, 6, 7] and got["again_on"] == [0, 1, 2, 3]
 
 
 def test_a_client_outside_the_protocol_versions_is_refused_naming_both_ranges(proxy):
@@ -486,63 +490,3 @@ def test_pathwaysutils_elastic_goes_on_without_a_lost_slice_and_scales_back_when
         "ELASTIC_SCHEDULE": json.dumps(counts),
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
-
-
-def test_maxtext_elastic_goes_on_without_a_lost_slice_and_scales_back(proxy, tmp_path):
-    """MaxText's own elastic training (``elastic_enabled=true``, on at least 1 slice;
-    its checkpoints on local disk, ``DECOUPLE_GCLOUD=TRUE`` as MaxText runs off
-    Google Cloud) on both slices: a host of slice 1 killed -> it re-meshes and goes on
-    on slice 0; the host restored -> it scales back to both slices. (It would train
-    on: stopped once it is back.)"""
-    from tests.client_envs import client_python
-    from tests.test_proxy_clients import maxtext_command
-
-    python = client_python("maxtext")
-    env = {**{k: v for k, v in _env(proxy).items() if k != "XLA_FLAGS"},
-           "DECOUPLE_GCLOUD": "TRUE"}
-    cmd = maxtext_command(python, tmp_path, "steps=2000", "elastic_enabled=true",
-                          "enable_single_controller=true",
-                          "elastic_min_slice_count=1", "elastic_timeout_seconds=300",
-                          "enable_checkpointing=true", "checkpoint_period=5",
-                          "async_checkpointing=false", "dcn_data_parallelism=-1",
-                          "ici_fsdp_parallelism=4")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=tmp_path)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-
-    def steps_on(n: int, after: int = 0) -> int:
-        return sum(1 for ln in list(lines)[after:]
-                   if "completed step:" in ln and f"live slice count: {n}" in ln)
-
-    def wait(cond, what: str) -> int:
-        wait_until(lambda: cond() or proc.poll() is not None, 420, what)
-        assert proc.poll() is None, "".join(
-            [ln for ln in lines if ln[:1] not in "IWE" or not ln[1:5].isdigit()][-60:])
-        return len(lines)
-
-    try:
-        wait(lambda: steps_on(2) >= 3, "MaxText did not train on both slices")
-        proxy.fleet.remove_host("v6e-2x2-1", 0)
-        seen = wait(lambda: steps_on(1) >= 2, "MaxText did not go on on slice 0 alone")
-        proxy.fleet.restore_host("v6e-2x2-1", 0)
-        wait(lambda: steps_on(2, seen) >= 2, "MaxText did not scale back to both slices")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        reader.join(10)
-        (tmp_path / "maxtext.log").write_text("".join(lines))  # (kept for a failure)
-    said = [ln.split("] ", 1)[-1].strip() for ln in lines]
-    active = [ln.split("Active indices: ")[1] for ln in said if "Active indices: " in ln]
-    assert active[:3] == ["frozenset({0, 1})", "frozenset({0})", "frozenset({0, 1})"], active
-    assert "Elastic event detected" in said and "Scale up requested." in said
-    # Back on both slices it resumed from the checkpoint it wrote on slice 0 alone.
-    resumed = [int(ln.rsplit(" ", 1)[1]) for ln in said
-               if ln.startswith("restoring from this run's directory step")]
-    first_back = next(int(ln.split(",")[0].split(": ")[1]) for ln in said[seen:]
-                      if ln.startswith("completed step:") and "live slice count: 2" in ln)
-    assert len(resumed) >= 2 and first_back >= resumed[-1] > 0, (resumed, first_back)

@@ -1,9 +1,9 @@
 """JAX clients of their own environments through one proxy (1 emulated v6e 2x2 slice),
 as Cloud Pathways serves "JAX 0.10.1+" clients from one server: jaxlib 0.10.2 (on
 Python 3.11) and 0.12.1 each speak their own protocol version (25, 28) and train the
-same steps with local JAX's losses; MaxText 0.2.5 from PyPI pre-trains, unmodified,
-with the losses it has on 4 local CPU devices. The client environments are made on
-first use and cached (``tests/client_envs.py``)."""
+same steps with local JAX's losses; MaxText 0.2.5 from PyPI pre-trains, checkpoints and
+resumes, unmodified, with the losses it has on 4 local CPU devices. The client
+environments are made on first use and cached (``tests/client_envs.py``)."""
 
 from __future__ import annotations
 
@@ -88,14 +88,26 @@ def maxtext(python: Path, out: Path, env: dict, *args: str, timeout_s: float = 9
     return [json.loads(ln)["learning/loss"] for ln in metrics.read_text().splitlines()]
 
 
-def test_maxtext_from_pypi_pretrains_one_slice_through_the_proxy(proxy, tmp_path):
-    """MaxText's own pre-train trainer (synthetic data, a tiny model, 5 steps) through
-    the proxy on one slice's 4 chips gives the losses it gives on 4 local CPU devices."""
+def test_maxtext_from_pypi_pretrains_one_slice_through_the_proxy_and_resumes(proxy, tmp_path):
+    """MaxText's own pre-train trainer (synthetic data, a tiny model) through the proxy on
+    one slice's 4 chips: 3 steps that checkpoint (Orbax, with
+    ``ENABLE_PATHWAYS_PERSISTENCE=1`` as a Cloud Pathways user sets it), then a second
+    run that restores the last checkpoint and goes on to step 5. Its 5 losses are the
+    ones an uninterrupted 5-step run has on 4 local CPU devices. (MaxText 0.2.5's
+    pre-train trainer stages its checkpoints through the controller with or without the
+    variable: its checkpoint context picks Orbax's controller-side handler, as its own
+    comment says, so the path is the same one.)"""
     python = client_python("maxtext")
     (tmp_path / "proxy").mkdir()
     (tmp_path / "local").mkdir()
-    through = maxtext(python, tmp_path / "proxy",
-                      {k: v for k, v in _env(proxy).items() if k != "XLA_FLAGS"})
+    env = {**{k: v for k, v in _env(proxy).items() if k != "XLA_FLAGS"},
+           "ENABLE_PATHWAYS_PERSISTENCE": "1"}
+    ckpt = ("enable_checkpointing=true", "async_checkpointing=false",
+            "learning_rate_schedule_steps=5")  # the schedule of the whole 5 steps
+    first = maxtext(python, tmp_path / "proxy", env, "steps=3", *ckpt)
+    assert sorted(p.name for p in (tmp_path / "proxy" / "t" / "checkpoints").iterdir()) == [
+        "0", "2"]  # at the start and at the end of the run
+    both = maxtext(python, tmp_path / "proxy", env, "steps=5", *ckpt)  # (appends metrics)
     local = maxtext(python, tmp_path / "local", _env(None))
-    assert len(through) == len(local) == 5
-    np.testing.assert_allclose(through, local, rtol=1e-5)
+    assert len(first) == 3 and len(both) == len(local) == 5
+    np.testing.assert_allclose(both, local, rtol=1e-5)

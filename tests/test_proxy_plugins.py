@@ -9,7 +9,14 @@ import json
 import pytest
 
 from pathways_ray.proxy.errors import InvalidArgument, Unimplemented
-from pathways_ray.proxy.plugins.requests import PREFIX, Persistence, Profile, parse
+from pathways_ray.proxy.plugins.requests import (
+    PREFIX,
+    Persistence,
+    Profile,
+    Reshard,
+    Target,
+    parse,
+)
 
 
 def _b64(text: str) -> str:
@@ -48,7 +55,17 @@ def test_a_profile_request_names_its_location():
     assert got == Profile("/tmp/trace")
 
 
+def test_a_sidechannel_reshard_request_names_sources_and_targets():
+    one = {"devices": {"device_ids": [4, 5]}, "xla_hlo_sharding": "CAM=",
+           "memory_kind": "device"}
+    got = parse(_program({"reshardRequest": {"donateInput": True, "inSharding": [one],
+                                             "outSharding": [dict(one, memory_kind="")]}}))
+    assert got == Reshard((Target((4, 5), b"\x08\x03", "device"),),
+                          (Target((4, 5), b"\x08\x03", ""),), True)
+
+
 @pytest.mark.parametrize("body,words", [
+    ({"reshardRequest": {"inSharding": [], "outSharding": []}}, "same length"),
     ({"persistenceWriteRequest": _write(location="relative/dir")}, "b64_location"),
     ({"persistenceWriteRequest": _write(location="/a/../etc")}, "without '..'"),
     ({"persistenceWriteRequest": _write(name="../../etc/passwd")}, "b64_name"),
@@ -75,3 +92,14 @@ def test_not_json_no_prefix_and_an_unknown_kind_fail_by_name():
         parse(b'{"profileRequest": {}}')
     with pytest.raises(Unimplemented, match="'sidechannelReshard'"):
         parse(_program({"sidechannelReshard": {}}))
+
+
+def test_locations_are_allowed_under_the_servers_storage_roots_only():
+    from pathways_ray.proxy.plugins.run import allowed
+
+    roots = ("gs://", "/data/ckpt")
+    assert allowed("gs://bucket/run/1", roots) and allowed("/data/ckpt/run/1", roots)
+    assert allowed("/data/ckpt", roots)
+    assert not allowed("/data/ckpt2/run", roots)  # a sibling whose name starts the same
+    assert not allowed("/etc/cron.d", roots) and not allowed("s3://bucket/x", roots)
+    assert not allowed("/data/ckpt/x", ("gs://",))  # the default: buckets only

@@ -52,11 +52,17 @@ def register(sub) -> dict:
                    help="no warm client: each session reserves its slices and starts its "
                    "chip workers itself (default: one client is kept ready, holding its "
                    "slices between sessions, so jax.devices() answers at once)")
+    p.add_argument("--storage", default=None, metavar="ROOTS",
+                   help="where clients may have the chips write and read (Orbax with "
+                   "ENABLE_PATHWAYS_PERSISTENCE=1, profiles): comma-separated directories "
+                   "and URL prefixes. Default: $PATHWAYS_RAY_PROXY_STORAGE, else gs:// (any "
+                   "bucket the hosts can reach; no local path)")
     cluster_flags(p)
     return {"proxy": cmd_proxy}
 
 
 def cmd_proxy(args) -> int:
+    from pathways_ray.config import STORAGE_ENV
     from pathways_ray.proxy.server import LOOPBACK, ProxyServer
 
     if args.service is not None:
@@ -65,6 +71,8 @@ def cmd_proxy(args) -> int:
             slices[shape] = slices.get(shape, 0) + n
     else:
         slices = [shape for shape, n in args.slices for _ in range(n)]
+    if args.storage is not None:
+        os.environ[STORAGE_ENV] = args.storage
     token = args.token or os.environ.get("PATHWAYS_RAY_PROXY_TOKEN") or None
     if token is None and args.host not in LOOPBACK:
         token = "auto"

@@ -101,7 +101,9 @@ def init_response(session_id: int, devices: Sequence[ProxyDevice]) -> ifrt_pb2.I
     platform = devices[0].platform if devices else "cpu"
     resp = ifrt_pb2.InitResponse(
         session_id=session_id, platform_name=platform, platform_version="pathways-ray",
-        platform_id=0, process_index=0, runtime_type="pathways-ray")
+        # "pathways" as Cloud Pathways' server says it (the client shows "proxy/pathways"):
+        # Orbax and MaxText key their single-controller paths on it (persistence too).
+        platform_id=0, process_index=0, runtime_type="pathways")
     for d in devices:
         resp.all_devices.append(ifrt_pb2.InitResponse.Device(
             id=d.id, local_device_id=d.id, local_hardware_id=d.rank, platform_name=d.platform,

@@ -18,16 +18,17 @@ import secrets
 from pathways_ray.errors import PathwaysError, RemoteError, SliceLost
 
 __all__ = ["DATA_LOSS", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "INTERNAL",
-           "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "UNAVAILABLE", "UNIMPLEMENTED",
-           "FailedPrecondition", "InvalidArgument", "NotFound", "ProxyStatus", "Status",
-           "Unauthenticated",
-           "Unavailable", "Unimplemented", "remote_message", "status_of"]
+           "INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "UNAUTHENTICATED",
+           "UNAVAILABLE", "UNIMPLEMENTED", "FailedPrecondition", "InvalidArgument", "NotFound",
+           "PermissionDenied", "ProxyStatus", "Status", "Unauthenticated", "Unavailable",
+           "Unimplemented", "remote_message", "status_of"]
 
 logger = logging.getLogger("pathways_ray.proxy")
 
 # tensorflow.error.Code
-(INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, FAILED_PRECONDITION, UNIMPLEMENTED, INTERNAL,
- UNAVAILABLE, DATA_LOSS, UNAUTHENTICATED) = 3, 4, 5, 9, 12, 13, 14, 15, 16
+(INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION,
+ UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS, UNAUTHENTICATED) = (
+    3, 4, 5, 7, 9, 12, 13, 14, 15, 16)
 
 
 class ProxyStatus(Exception):
@@ -46,6 +47,13 @@ class NotFound(ProxyStatus):
     """A handle that is not (or no longer) the session's."""
 
     code = NOT_FOUND
+
+
+class PermissionDenied(ProxyStatus):
+    """Something this server does not let its clients do (a location outside its
+    storage roots)."""
+
+    code = PERMISSION_DENIED
 
 
 class FailedPrecondition(ProxyStatus):

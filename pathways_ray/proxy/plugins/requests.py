@@ -10,7 +10,9 @@ pathwaysutils 0.1.13 sends an IFRT ``PluginProgram`` whose bytes are
 - ``bulk_persistence_read_request`` / ``persistenceReadRequest``: read such arrays
   into the program's results, with the shardings given;
 - ``profileRequest``: a trace of the workers; the first run starts it, the second
-  stops it and writes it at ``traceLocation`` (``pathwaysutils.profiling``).
+  stops it and writes it at ``traceLocation`` (``pathwaysutils.profiling``);
+- ``reshardRequest``: the arguments moved to other shardings (the "sidechannel"
+  reshard of ``pathwaysutils.experimental.reshard``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathways_ray.proxy.errors import InvalidArgument, Unimplemented
 from pathways_ray.proxy.types import NUMPY_DTYPES as DTYPES
 
-__all__ = ["PREFIX", "Persist", "Persistence", "Profile", "parse"]
+__all__ = ["PREFIX", "Persist", "Persistence", "Profile", "Reshard", "Target", "parse"]
 
 PREFIX = b"__serialized_plugin_program "
 MAX_BYTES = 64 << 20
@@ -62,7 +64,24 @@ class Profile:
     location: str
 
 
-def parse(data: bytes) -> Persistence | Profile:
+@dataclass(frozen=True)
+class Target:
+    """A sharding as a reshard request names it: the client's devices, the tiling
+    (``OpSharding`` bytes) and the memory kind ("" for the default)."""
+
+    device_ids: tuple[int, ...]
+    op: bytes
+    memory_kind: str
+
+
+@dataclass(frozen=True)
+class Reshard:
+    sources: tuple[Target, ...]
+    targets: tuple[Target, ...]
+    donate: bool
+
+
+def parse(data: bytes) -> Persistence | Profile | Reshard:
     """A ``PluginProgram``'s bytes -> its request; ``InvalidArgument`` naming what is
     malformed, ``Unimplemented`` naming a request this server does not run."""
     if len(data) > MAX_BYTES:
@@ -95,8 +114,35 @@ def parse(data: bytes) -> Persistence | Profile:
         if not isinstance(location, str) or not location:
             raise InvalidArgument("profileRequest.traceLocation must name a directory")
         return Profile(_location(location, "profileRequest.traceLocation"))
+    if kind == "reshardRequest":
+        ins, outs = value.get("inSharding"), value.get("outSharding")
+        if (not isinstance(ins, list) or not isinstance(outs, list) or len(ins) != len(outs)
+                or not 0 < len(outs) <= MAX_ARRAYS):
+            raise InvalidArgument("reshardRequest.inSharding and .outSharding must be lists "
+                                  f"of the same length, 1..{MAX_ARRAYS}")
+        return Reshard(tuple(_target(t, f"reshardRequest.inSharding[{i}]")
+                             for i, t in enumerate(ins)),
+                       tuple(_target(t, f"reshardRequest.outSharding[{i}]")
+                             for i, t in enumerate(outs)),
+                       bool(value.get("donateInput", False)))
     raise Unimplemented(f"plugin request {kind!r} is not served by the pathways-ray proxy "
-                        f"(served: persistence writes and reads, profileRequest)")
+                        f"(served: persistence writes and reads, profileRequest, "
+                        f"reshardRequest)")
+
+
+def _target(value, where: str) -> Target:
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where} is not a JSON object")
+    devices = value.get("devices", {})
+    ids = devices.get("device_ids") if isinstance(devices, dict) else None
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(d, int) and d >= 0 for d in ids)):
+        raise InvalidArgument(f"{where}.devices.device_ids must be a non-empty list of "
+                              f"device ids")
+    kind = value.get("memory_kind", "")
+    if not isinstance(kind, str):
+        raise InvalidArgument(f"{where}.memory_kind must be a string")
+    return Target(tuple(ids), _b64(value, "xla_hlo_sharding", where), kind)
 
 
 def _persist(value, write: bool, where: str) -> Persist:

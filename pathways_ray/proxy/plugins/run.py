@@ -6,6 +6,8 @@
   status is done when every chip's is.
 - A persistence read makes the results at once (handles) and sends one
   ``Restore(each=True)`` per slice and mesh: every chip reads its own shards.
+- A reshard request moves each argument to its target sharding as IFRT's reshard
+  does (``ArrayTable.reshard``: chip to chip between slices).
 - A profile request starts the session client's profile (every chip's JAX profiler,
   the controller's and the client's spans) on its first run and, on its second, stops
   it and writes the merged trace under ``<traceLocation>/plugins/profile/<run>/``, as
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,20 +26,20 @@ from google.protobuf.message import DecodeError
 
 from pathways_ray.client.arrays import RemoteArray
 from pathways_ray.proxy.arrays import ArrayTable, ProxyArray
-from pathways_ray.proxy.errors import InvalidArgument
-from pathways_ray.proxy.plugins.requests import Persistence, Profile, parse
+from pathways_ray.proxy.errors import InvalidArgument, PermissionDenied, Unimplemented
+from pathways_ray.proxy.plugins.requests import Persistence, Profile, Reshard, parse
 from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
 from pathways_ray.proxy.types import ProxySharding
 from pathways_ray.transport.commands import Restore, Save
 
-__all__ = ["PluginExecutable", "compile_plugin"]
+__all__ = ["PluginExecutable", "allowed", "compile_plugin"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class PluginExecutable:
-    request: Persistence | Profile
+    request: Persistence | Profile | Reshard
     device_ids: tuple[int, ...]
     name: str
     out_shapes: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
@@ -47,6 +50,8 @@ class PluginExecutable:
         """Start the program; its results (handles, at once) and a wait for its end."""
         if isinstance(self.request, Profile):
             return [], self._toggle_profile(table)
+        if isinstance(self.request, Reshard):
+            return _reshard(table, self.request, args)
         if self.request.write:
             return [], _write(table, self.request, args)
         if args:
@@ -69,19 +74,53 @@ class PluginExecutable:
         return stop
 
 
+def allowed(location: str, roots: tuple[str, ...]) -> bool:
+    """Whether ``location`` is under one of ``roots`` (directories, or URL prefixes)."""
+    for root in roots:
+        if "://" in root:
+            if location.startswith(root):
+                return True
+        elif "://" not in location and posixpath.commonpath(
+                [posixpath.normpath(root), location]) == posixpath.normpath(root):
+            return True
+    return False
+
+
 def compile_plugin(table: ArrayTable, data: bytes) -> PluginExecutable:
+    """The request of ``data``, checked against this server's storage roots (the chips
+    write and read only where ``$PATHWAYS_RAY_PROXY_STORAGE`` allows)."""
+    from pathways_ray.config import STORAGE_ENV, storage_roots
+
     request = parse(data)
+    # The executable's devices are its first argument's: jaxlib's client hands every
+    # argument over as that many shards (Orbax groups its writes by devices for this).
+    if isinstance(request, Reshard):
+        return PluginExecutable(request, _known(table, request.sources[0].device_ids),
+                                "reshard")
+    roots = storage_roots()
+    where = ([request.location] if isinstance(request, Profile)
+             else sorted({a.location for a in request.arrays}))
+    for location in where:
+        if not allowed(location, roots):
+            raise PermissionDenied(f"location {location!r} is outside what this server lets "
+                                   f"clients write and read: {list(roots)} (its "
+                                   f"${STORAGE_ENV}, or pathways-ray proxy --storage)")
     if isinstance(request, Profile):
         return PluginExecutable(request, tuple(range(len(table.devices))), "profile")
-    devices = sorted({d for a in request.arrays for d in a.device_ids})
-    for d in devices:
-        if d >= len(table.devices):
-            raise InvalidArgument(f"a persistence request names device {d}; this session "
-                                  f"has {len(table.devices)} devices")
+    for a in request.arrays:
+        _known(table, a.device_ids)
     outs = [] if request.write else [(a.shape, a.dtype) for a in request.arrays]
-    return PluginExecutable(request, tuple(devices),
+    return PluginExecutable(request, request.arrays[0].device_ids,
                             "persistence_write" if request.write else "persistence_read",
                             outs)
+
+
+def _known(table: ArrayTable, device_ids: tuple[int, ...]) -> tuple[int, ...]:
+    for d in device_ids:
+        if d >= len(table.devices):
+            raise InvalidArgument(f"a plugin request names device {d}; this session has "
+                                  f"{len(table.devices)} devices")
+    return device_ids
 
 
 def _write(table: ArrayTable, req: Persistence, args: list[ProxyArray]) -> Callable[[], None]:
@@ -110,16 +149,36 @@ def _write(table: ArrayTable, req: Persistence, args: list[ProxyArray]) -> Calla
     return lambda: client.block_until_ready(statuses, req.timeout_s)
 
 
+def _reshard(table: ArrayTable, req: Reshard, args: list[ProxyArray]
+             ) -> tuple[list[ProxyArray], Callable[[], None]]:
+    from pathways_ray.proxy.types import SERVED_MEMORY_KINDS
+
+    if len(args) != len(req.targets):
+        raise InvalidArgument(f"a reshard of {len(req.targets)} arrays was given {len(args)}")
+    outs = []
+    for i, (arr, target) in enumerate(zip(args, req.targets, strict=True)):
+        if target.memory_kind not in SERVED_MEMORY_KINDS:
+            raise Unimplemented(f"memory kind {target.memory_kind!r} is not served by the "
+                                f"pathways-ray proxy yet (reshard target {i})")
+        outs.append(table.reshard(arr, ProxySharding(target.device_ids,
+                                                     _op(target.op, f"target {i}"))))
+    return outs, lambda: table.ready(outs)
+
+
+def _op(data: bytes, what: str):
+    try:
+        return xla_data_pb2.OpSharding.FromString(data)
+    except DecodeError as e:
+        raise InvalidArgument(f"the sharding of {what} does not parse: {e}") from None
+
+
 def _read(table: ArrayTable, req: Persistence) -> tuple[list[ProxyArray], Callable[[], None]]:
     import ml_dtypes  # noqa: F401 - registers bfloat16 and the float8s with numpy
 
     client = table.client
     outs, groups = [], {}
     for one in req.arrays:
-        try:
-            op = xla_data_pb2.OpSharding.FromString(one.op)
-        except DecodeError as e:
-            raise InvalidArgument(f"the sharding of {one.name!r} does not parse: {e}") from None
+        op = _op(one.op, repr(one.name))
         placed = table.place(ProxySharding(one.device_ids, op), len(one.shape))
         where = table.name(placed.slices)
         remote = RemoteArray(client, next(client._ids), where, one.shape, one.dtype,
