@@ -133,16 +133,11 @@ def parse(data: bytes) -> Persistence | Profile | Reshard:
 def _target(value, where: str) -> Target:
     if not isinstance(value, dict):
         raise InvalidArgument(f"{where} is not a JSON object")
-    devices = value.get("devices", {})
-    ids = devices.get("device_ids") if isinstance(devices, dict) else None
-    if (not isinstance(ids, list) or not ids
-            or not all(isinstance(d, int) and d >= 0 for d in ids)):
-        raise InvalidArgument(f"{where}.devices.device_ids must be a non-empty list of "
-                              f"device ids")
+    ids = _device_ids(value, where)
     kind = value.get("memory_kind", "")
     if not isinstance(kind, str):
         raise InvalidArgument(f"{where}.memory_kind must be a string")
-    return Target(tuple(ids), _b64(value, "xla_hlo_sharding", where), kind)
+    return Target(ids, _b64(value, "xla_hlo_sharding", where), kind)
 
 
 def _persist(value, write: bool, where: str) -> Persist:
@@ -172,13 +167,18 @@ def _persist(value, write: bool, where: str) -> Persist:
     if (not isinstance(dims, list) or len(dims) > 64
             or not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in dims)):
         raise InvalidArgument(f"{where}.shape={str(dims)[:80]}: a list of dimensions >= 0")
+    return Persist(location, name, tuple(dims), op, _device_ids(value, where), dtype,
+                   _timeout(value, where))
+
+
+def _device_ids(value: dict, where: str) -> tuple[int, ...]:
     devices = value.get("devices", {})
     ids = devices.get("device_ids") if isinstance(devices, dict) else None
     if (not isinstance(ids, list) or not ids
             or not all(isinstance(d, int) and d >= 0 for d in ids)):
         raise InvalidArgument(f"{where}.devices.device_ids must be a non-empty list of "
                               f"device ids")
-    return Persist(location, name, tuple(dims), op, tuple(ids), dtype, _timeout(value, where))
+    return tuple(ids)
 
 
 def _location(text: str, where: str) -> str:
