@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import posixpath
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -42,7 +42,6 @@ class PluginExecutable:
     request: Persistence | Profile | Reshard
     device_ids: tuple[int, ...]
     name: str
-    out_shapes: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
     _profile: object | None = None  # a running profile (observability.profiling.Profile)
 
     def execute(self, table: ArrayTable, args: list[ProxyArray]
@@ -109,10 +108,8 @@ def compile_plugin(table: ArrayTable, data: bytes) -> PluginExecutable:
         return PluginExecutable(request, tuple(range(len(table.devices))), "profile")
     for a in request.arrays:
         _known(table, a.device_ids)
-    outs = [] if request.write else [(a.shape, a.dtype) for a in request.arrays]
     return PluginExecutable(request, request.arrays[0].device_ids,
-                            "persistence_write" if request.write else "persistence_read",
-                            outs)
+                            "persistence_write" if request.write else "persistence_read")
 
 
 def _known(table: ArrayTable, device_ids: tuple[int, ...]) -> tuple[int, ...]:
