@@ -103,3 +103,5 @@ def test_locations_are_allowed_under_the_servers_storage_roots_only():
     assert not allowed("/data/ckpt2/run", roots)  # a sibling whose name starts the same
     assert not allowed("/etc/cron.d", roots) and not allowed("s3://bucket/x", roots)
     assert not allowed("/data/ckpt/x", ("gs://",))  # the default: buckets only
+    assert allowed("gs://team/run", ("gs://team",)) and allowed("gs://team", ("gs://team/",))
+    assert not allowed("gs://team-other/run", ("gs://team",))  # a bucket, not a prefix

@@ -76,8 +76,10 @@ class PluginExecutable:
 def allowed(location: str, roots: tuple[str, ...]) -> bool:
     """Whether ``location`` is under one of ``roots`` (directories, or URL prefixes)."""
     for root in roots:
-        if "://" in root:
-            if location.startswith(root):
+        if "://" in root:  # "gs://": any bucket; "gs://team/ckpt": that folder and below
+            if root.endswith("://") and location.startswith(root):
+                return True
+            if location == root.rstrip("/") or location.startswith(root.rstrip("/") + "/"):
                 return True
         elif "://" not in location and posixpath.commonpath(
                 [posixpath.normpath(root), location]) == posixpath.normpath(root):
