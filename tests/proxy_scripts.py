@@ -455,3 +455,15 @@ print("RESULT", json.dumps({
     "again": [np.asarray(again[k]).sum().item() for k in ("x", "y")],
     "again_on": sorted(d.id for d in again["x"].sharding.device_set)}), flush=True)
 """
+
+# A profile started and never stopped: the client exits with it running.
+PROFILE_LEFT = """
+import json, sys
+import jax
+import pathwaysutils
+pathwaysutils.initialize()
+from pathwaysutils import profiling
+profiling._start_pathways_trace_from_profile_request(
+    profiling._create_profile_request(sys.argv[1]))
+print("RESULT", json.dumps({"started": True}), flush=True)
+"""

@@ -325,6 +325,21 @@ def test_a_pathwaysutils_profile_traces_every_chip_of_both_slices(proxy, tmp_pat
     assert len(chips) == 8 and len({c.split(" chip")[0] for c in chips}) == 2
 
 
+def test_a_profile_left_running_is_written_at_the_sessions_end_and_frees_the_chips(
+        proxy, tmp_path):
+    """A client that starts a profile and exits without stopping it: its session stops
+    the chips' profilers and writes the trace where it was asked; the next session
+    (the same warm client, the same chip workers) profiles as usual."""
+    import gzip
+
+    assert _script(proxy_scripts.PROFILE_LEFT, proxy, args=(str(tmp_path / "left"),))
+    wait_until(lambda: proxy.sessions == 0, 120, "the profiling session did not close")
+    left = list((tmp_path / "left").glob("plugins/profile/*/pathways.perfetto.json.gz"))
+    assert len(left) == 1 and json.loads(gzip.decompress(left[0].read_bytes()))["traceEvents"]
+    assert _script(proxy_scripts.PROFILE, proxy, args=(str(tmp_path / "next"),))["y"] == 4096.0
+    assert list((tmp_path / "next").glob("plugins/profile/*/pathways.perfetto.json.gz"))
+
+
 def test_pathwaysutils_reshard_moves_a_tree_between_shardings_and_slices(proxy):
     got = _script(proxy_scripts.RESHARD, proxy)
     want = _script(proxy_scripts.RESHARD, env={"XLA_FLAGS":

@@ -255,7 +255,7 @@ class Session(ProgramRequests):
                 healthy = self.arrays is not None and not self.arrays.lost
                 if self.arrays is not None:
                     self.arrays.clear()  # the session's arrays are freed on the chips
-                self.executables.clear()
+                self._close_executables()
                 self._futures.clear()
                 if self.client is not None:
                     self.stats()  # the last counts, kept past the client

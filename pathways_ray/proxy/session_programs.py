@@ -188,9 +188,18 @@ class ProgramRequests:
         response.loaded_executable_fetch_execute_result_response.SetInParent()
 
     def _loaded_executable_destruct(self, req, response) -> None:
-        self._executable(req.loaded_executable_handle)
+        exe = self._executable(req.loaded_executable_handle)
         del self.executables[req.loaded_executable_handle]
+        if isinstance(exe, PluginExecutable):
+            exe.close()
         response.loaded_executable_destruct_response.SetInParent()
+
+    def _close_executables(self) -> None:
+        """Forget every executable; a plugin program still running (a profile) stops."""
+        for exe in self.executables.values():
+            if isinstance(exe, PluginExecutable):
+                exe.close()
+        self.executables.clear()
 
     def _get_default_layout(self, req, response) -> None:
         """The layout JAX's CPU devices give an array by default (the emulated chips are

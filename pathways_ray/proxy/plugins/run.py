@@ -65,12 +65,24 @@ class PluginExecutable:
             logger.info("profile started; it goes to %s", self.request.location)
             return lambda: None
         running, self._profile = self._profile, None
+        return lambda: _stop(running)
 
-        def stop() -> None:
-            paths = running.stop()
-            logger.info("profile written: %s", ", ".join(paths.values()))
+    def close(self) -> None:
+        """Stop a profile its client left running (and write it, as asked): the chips'
+        profilers would otherwise stay on under the next session of a warm client,
+        whose own profile could then not start."""
+        running, self._profile = self._profile, None
+        if running is not None:
+            logger.info("a session ended with its profile running: stopping it")
+            try:
+                _stop(running)
+            except Exception as e:  # noqa: BLE001 - a lost slice, a full disk: said, not raised
+                logger.warning("the profile left running could not be written: %s", e)
 
-        return stop
+
+def _stop(running) -> None:
+    paths = running.stop()
+    logger.info("profile written: %s", ", ".join(paths.values()))
 
 
 def allowed(location: str, roots: tuple[str, ...]) -> bool:
