@@ -30,11 +30,13 @@ from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
 __all__ = ["Placed", "ProxySharding", "dtype_of", "dtype_proto", "group_ranks",
            "hlo_sharding_proto", "parse_sharding", "place"]
 
-NUMPY_DTYPES = {"PRED": "bool", "S8": "int8", "S16": "int16", "S32": "int32", "S64": "int64",
-          "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16",
-          "F32": "float32", "F64": "float64", "BF16": "bfloat16", "C64": "complex64",
-          "C128": "complex128", "F8E4M3FN": "float8_e4m3fn", "F8E5M2": "float8_e5m2",
-          "S4": "int4", "U4": "uint4"}
+# XLA's primitive type names -> numpy's (bfloat16 and the float8s from ml_dtypes).
+NUMPY_DTYPES = {
+    "PRED": "bool", "S8": "int8", "S16": "int16", "S32": "int32", "S64": "int64",
+    "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16",
+    "F32": "float32", "F64": "float64", "BF16": "bfloat16", "C64": "complex64",
+    "C128": "complex128", "F8E4M3FN": "float8_e4m3fn", "F8E5M2": "float8_e5m2",
+    "S4": "int4", "U4": "uint4"}
 _KIND = {v: k for k, v in NUMPY_DTYPES.items()}
 
 
