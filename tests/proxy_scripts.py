@@ -63,6 +63,9 @@ print("RESULT", json.dumps({
 LOSS = PREAMBLE + """
 from pathwaysutils.elastic import elastic
 import time
+# Arrays in the hosts' memory of each slice: slice 0's go with its host, slice 1's stay.
+x_host = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+z_host = jax.device_put(z, z.sharding.with_memory_kind("pinned_host"))
 print("SLICE0", devices[0].slice_name, flush=True)
 error = None
 for i in range(100000):
@@ -79,6 +82,11 @@ try:
     np.asarray(x)
 except jax.errors.JaxRuntimeError as e:
     out["read_lost"] = str(e)
+try:
+    np.asarray(x_host)
+except jax.errors.JaxRuntimeError as e:
+    out["read_host_lost"] = str(e)
+out["z_host"] = float(np.asarray(z_host).sum())
 try:  # a mesh mixing the lost slice with the live one
     both = Mesh(np.array(devices[:8]), ("data",))
     np.asarray(jax.device_put(z, NamedSharding(both, P("data"))))
@@ -466,4 +474,58 @@ from pathwaysutils import profiling
 profiling._start_pathways_trace_from_profile_request(
     profiling._create_profile_request(sys.argv[1]))
 print("RESULT", json.dumps({"started": True}), flush=True)
+"""
+
+# Host memory (#47): puts into and out of a chip's host memory, a jit whose result is
+# offloaded, offload inside a program and under remat (as MaxText's remat policies).
+MEMORY = """
+import json, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+devices = jax.devices()
+mesh0 = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
+mesh1 = Mesh(np.array(devices[4:8]).reshape(2, 2), ("data", "model"))
+dev0 = NamedSharding(mesh0, P("data", "model"))
+host0 = dev0.with_memory_kind("pinned_host")
+x_np = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+# A host buffer put straight into pinned host memory, read back, and moved to the chips.
+xh = jax.device_put(x_np, host0)
+back = np.asarray(xh)
+xd = jax.device_put(xh, dev0)
+xu = jax.device_put(xd, dev0.with_memory_kind("unpinned_host"))
+# A jit whose result the program offloads to host memory, and one that reads it back.
+y = jax.jit(lambda v: v * 2 + 1, out_shardings=host0)(xd)
+z = jax.jit(lambda h: jax.device_put(h, dev0) * 3, in_shardings=host0, out_shardings=dev0)(y)
+# Offload inside a program: the intermediate goes to pinned host and comes back.
+def inner(v):
+    h = jax.device_put(jnp.sin(v), host0)
+    return jax.device_put(h, dev0) + v
+w = jax.jit(inner)(xd)
+# Activation offload under remat, as MaxText's remat_policy offloads: the gradient
+# equals plain autodiff's.
+from jax.ad_checkpoint import checkpoint_name
+policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=["h"],
+    offload_src="device", offload_dst="pinned_host")
+def layer(v, m):
+    h = checkpoint_name(jnp.tanh(v @ m), "h")
+    return jnp.sum(jnp.tanh(h @ m.T))
+m = jax.device_put(np.linspace(-1, 1, 32 * 16, dtype=np.float32).reshape(32, 16),
+                   NamedSharding(mesh0, P()))
+g = jax.jit(jax.grad(jax.checkpoint(layer, policy=policy)))(xd / 2048, m)
+# To the other slice's pinned host memory, and one device's.
+far = jax.device_put(xh, NamedSharding(mesh1, P("model", None), memory_kind="pinned_host"))
+one = jax.device_put(x_np[:4], jax.sharding.SingleDeviceSharding(devices[5],
+                                                                memory_kind="pinned_host"))
+print("RESULT", json.dumps({
+    "memories": sorted(m.kind for m in devices[0].addressable_memories()),
+    "default": devices[0].default_memory().kind,
+    "kinds": [a.sharding.memory_kind for a in (xh, xd, xu, y, z, w, far, one)],
+    "back": float(back.sum()), "xu": float(np.asarray(xu).sum()),
+    "y": float(np.asarray(y).sum()), "z": float(np.asarray(z).sum()),
+    "w": round(float(np.asarray(w).sum()), 2), "g": round(float(np.abs(np.asarray(g)).sum()), 3),
+    "far": float(np.asarray(far).sum()), "far_on": sorted(d.id for d in far.sharding.device_set),
+    "one": float(np.asarray(one).sum())}), flush=True)
 """

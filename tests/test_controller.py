@@ -292,6 +292,25 @@ def test_reshard_within_and_across_slices_keeps_content_and_controller_flat(clie
     assert float(client.jit(lambda v: v.sum())(big).fetch()) == 2048 * 4096
 
 
+def test_arrays_in_the_chips_host_memory_move_between_memories_and_slices(client, mesh):
+    """A put into pinned host memory, resharded into unpinned host memory on the other
+    slice (chip to chip) and back into device memory, keeps its content and says its
+    memory; a memory no chip has is refused naming it, before anything is sent."""
+    from pathways_ray.client.arrays import Layout
+
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    host = NamedSharding(mesh, P("data", "model"), memory_kind="pinned_host")
+    a = client.device_put(x, host, slice=0)
+    b = reshard(a, NamedSharding(mesh, P("model"), memory_kind="unpinned_host"), slice=1)
+    c = reshard(b, NamedSharding(mesh, P(None, "data")))
+    assert (a.memory, b.memory, c.memory) == ("pinned_host", "unpinned_host", "device")
+    for arr in (a, b, c):
+        np.testing.assert_array_equal(arr.fetch(), x)
+    assert float(client.jit(lambda v: v.sum())(c).fetch()) == x.sum()
+    with pytest.raises(ValueError, match="memory_kind='hbm'.*device, pinned_host"):
+        client.device_put(x, Layout(a.mesh, a.spec, "hbm"), slice=0)
+
+
 def test_a_copy_through_the_hosts_object_stores_gives_the_same_arrays(client, mesh,
                                                                         monkeypatch):
     """``$PATHWAYS_RAY_TRANSFER=objects`` (shards through the hosts' Ray object stores,

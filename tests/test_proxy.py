@@ -348,6 +348,19 @@ def test_pathwaysutils_reshard_moves_a_tree_between_shardings_and_slices(proxy):
     assert got == want and got["x_on"] == [4, 5, 6, 7] and got["again_on"] == [0, 1, 2, 3]
 
 
+def test_host_memory_kinds_and_host_offload_in_a_jit_equal_local_jax(proxy):
+    """pinned_host and unpinned_host arrays (put, read, moved to the chips, across
+    slices, on one device), a jit whose result lands in host memory, offload inside a
+    program and remat offload of activations: each equal to local JAX on CPU devices."""
+    got = _script(proxy_scripts.MEMORY, proxy)
+    want = _script(proxy_scripts.MEMORY, env={"XLA_FLAGS":
+                                              "--xla_force_host_platform_device_count=8"})
+    assert got == want
+    assert got["memories"] == ["device", "pinned_host", "unpinned_host"]
+    assert got["kinds"] == ["pinned_host", "device", "unpinned_host", "pinned_host", "device",
+                            "device", "pinned_host", "pinned_host"]
+
+
 def test_a_client_outside_the_protocol_versions_is_refused_naming_both_ranges(proxy):
     """A client speaking only versions 3..5 gets FAILED_PRECONDITION naming 3..5 and
     16..25; the server answers the next client as before."""
@@ -456,6 +469,8 @@ def test_a_killed_host_is_data_loss_naming_the_slice_and_the_other_slice_answers
     assert victim in got["error"] and f"{victim}/0" in got["error"], got
     assert got["slice_down"] is True  # pathwaysutils.elastic's own reading of it
     assert "DATA_LOSS" in got["read_lost"]  # an array on the lost slice is gone, by name
+    assert "DATA_LOSS" in got["read_host_lost"]  # its host memory too; slice 1's is kept
+    assert got["z_host"] == float(np.arange(32).sum())
     assert "DATA_LOSS" in got["mixed"] and victim in got["mixed"]  # a mesh mixing it too
     assert len(got["other"]) == 32  # slice 1 keeps answering
     assert got["active"] == [1]

@@ -126,9 +126,9 @@ def test_a_session_cut_off_while_it_connects_releases_what_it_got():
 
 def test_requests_out_of_order_or_of_no_kind_and_memory_kinds_are_refused_by_name():
     """Before InitRequest: FAILED_PRECONDITION; an empty request: INVALID_ARGUMENT; an
-    array asked for in ``pinned_host`` memory: UNIMPLEMENTED naming the memory kind
-    (until memory kinds are served), not placed in device memory unsaid; a deleted
-    array is known as deleted."""
+    array asked for in a memory no chip has ("host"): UNIMPLEMENTED naming the memory kind
+    and the chips' kinds, not placed in device memory unsaid; a deleted array is known as
+    deleted."""
     session = Session(7, 25, lambda: _FakeClient())
     early = session.handle(_request(1, check_future_request={"future_handle": 3}))
     assert early.response_metadata.status.code == FAILED_PRECONDITION
@@ -139,12 +139,13 @@ def test_requests_out_of_order_or_of_no_kind_and_memory_kinds_are_refused_by_nam
     put = make.make_array_from_host_buffer_request
     put.dtype.kind = dtype_pb2.DTypeProto.KIND_F32
     put.shape.dims.extend([4])
-    put.sharding.CopyFrom(hlo_sharding_proto([0], None, "pinned_host"))
+    put.sharding.CopyFrom(hlo_sharding_proto([0], None, "host"))
     put.host_buffer_handle, put.array_handle = 11, 12
     session.host_buffers.store(11, np.ones(4, np.float32).tobytes())
     resp = session.handle(make)
     assert resp.response_metadata.status.code == UNIMPLEMENTED
-    assert "memory kind 'pinned_host' is not served" in resp.response_metadata.status.message
+    assert ("memory kind 'host' is not served by the pathways-ray proxy: a chip's memories "
+            "are device, pinned_host, unpinned_host") in resp.response_metadata.status.message
     read = session.handle(_request(5, copy_to_host_buffer_request={"array_handle": 12,
                                                                    "host_buffer_handle": 13}))
     assert read.response_metadata.status.code == UNIMPLEMENTED  # the handle holds the error

@@ -129,6 +129,7 @@ class Executor(Checkpoints):
         self.compiled: dict[str, Callable] = {}  # compiled ahead (Compile): runs at once
         self._meshes: dict[MeshShape, object] = {}
         self._shardings: dict[tuple, object] = {}
+        self._local: dict[str, object] = {}  # memory kind -> this chip's sharding in it
         self.commands_run = 0
         self.batches_run = 0
         self.tracing = False  # a profile is on: each command is a span of its own
@@ -163,18 +164,30 @@ class Executor(Checkpoints):
                                      shape.axis_names)
         return self._meshes[key]
 
-    def sharding(self, mesh: MeshShape, spec: Spec, start: Where = 0):
-        """One ``NamedSharding`` per layout, reused: JAX caches what it works out about
-        a sharding (its devices here) on the object, and a weight sync puts the same
-        few layouts every iteration."""
-        key = (mesh, spec, start)
+    def sharding(self, mesh: MeshShape, spec: Spec, start: Where = 0, memory: str = "device"):
+        """One ``NamedSharding`` per layout (and memory kind), reused: JAX caches what it
+        works out about a sharding (its devices here) on the object, and a weight sync
+        puts the same few layouts every iteration."""
+        key = (mesh, spec, start, memory)
         found = self._shardings.get(key)
         if found is None:
             from jax.sharding import NamedSharding, PartitionSpec
 
             found = self._shardings[key] = NamedSharding(
-                self.mesh(mesh, start), PartitionSpec(*[a or None for a in spec]))
+                self.mesh(mesh, start), PartitionSpec(*[a or None for a in spec]),
+                memory_kind=memory)
         return found
+
+    def _in_memory(self, value, memory: str):
+        """``value`` (a host array, or this chip's device array) in its memory ``memory``."""
+        import jax
+
+        if not isinstance(value, np.ndarray) and value.sharding.memory_kind == memory:
+            return value
+        if memory not in self._local:
+            self._local[memory] = jax.sharding.SingleDeviceSharding(jax.local_devices()[0],
+                                                                    memory_kind=memory)
+        return jax.device_put(value, self._local[memory])
 
     def get(self, buffer_id: int):
         value = self.buffers.get(buffer_id)
@@ -208,7 +221,7 @@ class Executor(Checkpoints):
             except Exception:  # noqa: BLE001
                 raise RemoteError(f"computing buffer {buffer_id}",
                                   traceback.format_exc()) from None
-            shards.append(shard)
+            shards.append(self._in_memory(shard, "device"))  # pulls go device to device
         cut = [i for i, (_, part) in enumerate(wanted) if part is not None]
         if cut:
             bounds = tuple(tuple(map(tuple, wanted[i][1])) for i in cut)  # msgpack: lists
@@ -355,14 +368,13 @@ class Executor(Checkpoints):
     def _put(self, cmd: Put) -> None:
         import jax
 
-        sharding = self.sharding(cmd.mesh, cmd.spec, cmd.start)
+        sharding = self.sharding(cmd.mesh, cmd.spec, cmd.start, cmd.memory)
         if isinstance(cmd.pieces, Inline):  # the data came in the command
             local = cmd.pieces.blocks[cmd.pieces.of_rank[position(cmd.start, self.rank)]]
         else:
             index = shard_slices(cmd.shape, cmd.mesh, cmd.spec)[position(cmd.start, self.rank)]
             local = assemble(index, cmd.dtype, self._pieces(cmd.buffer))
-        if isinstance(local, np.ndarray):
-            local = jax.device_put(local, jax.local_devices()[0])
+        local = self._in_memory(local, cmd.memory)
         self.buffers[cmd.buffer] = jax.make_array_from_single_device_arrays(
             tuple(cmd.shape), sharding, [local])
 
@@ -394,11 +406,8 @@ class Executor(Checkpoints):
         import jax
 
         src = self.get(cmd.src)
-        if isinstance(src, Failed):
-            self.buffers[cmd.dst] = src
-            return
-        self.buffers[cmd.dst] = jax.device_put(src, self.sharding(cmd.mesh, cmd.spec,
-                                                                  cmd.start))
+        self.buffers[cmd.dst] = src if isinstance(src, Failed) else jax.device_put(
+            src, self.sharding(cmd.mesh, cmd.spec, cmd.start, cmd.memory))
 
 
 def _name(cmd: Command) -> str:

@@ -32,7 +32,7 @@ class CompiledHlo:
     returns its results as global arrays."""
 
     def __init__(self, program: HloProgram, executable, signature: HloSignature, start: int,
-                 sharding: Callable[[MeshShape, Spec, int], object]):
+                 sharding: Callable[[MeshShape, Spec, int, str], object]):
         self.program = program
         self.executable = executable
         self.signature = signature
@@ -47,9 +47,10 @@ class CompiledHlo:
         results = self.executable.execute_sharded(list(args))
         outs = results.disassemble_into_single_device_arrays()
         return [jax.make_array_from_single_device_arrays(
-                    shape, self._sharding(mesh, spec, self._start), pieces)
-                for (shape, _), (mesh, spec), pieces
-                in zip(self.program.out_shapes, self.signature.out_layouts, outs, strict=True)]
+                    shape, self._sharding(mesh, spec, self._start, memory), pieces)
+                for (shape, _), (mesh, spec), memory, pieces
+                in zip(self.program.out_shapes, self.signature.out_layouts,
+                       self.signature.out_memory, outs, strict=True)]
 
 
 def _compile_or_load(module: bytes, devices: list, options):
@@ -81,7 +82,7 @@ def _memory_stats(executable) -> dict[str, int] | None:
 
 
 def compile_hlo(program: HloProgram, start: Where, chips: int,
-                sharding: Callable[[MeshShape, Spec, int], object]) -> CompiledHlo:
+                sharding: Callable[[MeshShape, Spec, int, str], object]) -> CompiledHlo:
     """Compile ``program`` for the placement of ``chips`` chips at world device
     ``start`` (every chip of it calls this)."""
     import jax
@@ -105,7 +106,10 @@ def compile_hlo(program: HloProgram, start: Where, chips: int,
                         for op, (shape, _) in zip(outs, program.out_shapes, strict=True))
     else:
         layouts = tuple(replicated(chips, len(shape)) for shape, _ in program.out_shapes)
+    kinds = executable.get_output_memory_kinds()
+    out_memory = (tuple(kinds[0]) if kinds and len(kinds[0]) == len(program.out_shapes)
+                  else ("device",) * len(program.out_shapes))
     signature = HloSignature(layouts, tuple(op.SerializeToString() for op in ins),
                              tuple(op.SerializeToString() for op in outs),
-                             _memory_stats(executable))
+                             _memory_stats(executable), out_memory)
     return CompiledHlo(program, executable, signature, start, sharding)

@@ -13,7 +13,7 @@ from pathways_ray.programs.sharding import MeshShape, Spec, normalize_spec
 if TYPE_CHECKING:
     from pathways_ray.client.client import Client
 
-__all__ = ["Layout", "RemoteArray", "SliceInfo", "spec_of"]
+__all__ = ["MEMORY_KINDS", "Layout", "RemoteArray", "SliceInfo", "memory_of", "spec_of"]
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,24 @@ def _mesh_shape(mesh) -> MeshShape:
 class Layout:
     """A sharding in pathways-ray's own terms, where ``device_put`` and ``reshard`` take a
     ``NamedSharding``: a mesh over a slice's chips (in any order of them) and a spec.
-    The IFRT proxy places JAX's shardings this way."""
+    The IFRT proxy places JAX's shardings this way. ``memory_kind``: which of a chip's
+    memories holds it (JAX's kinds: "device", "pinned_host", "unpinned_host")."""
 
     mesh: MeshShape
     spec: Spec
+    memory_kind: str = "device"
+
+
+MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+
+
+def memory_of(sharding) -> str:
+    """The memory kind ``sharding`` names ("device" where it names none)."""
+    kind = getattr(sharding, "memory_kind", None) or "device"
+    if kind not in MEMORY_KINDS:
+        raise ValueError(f"memory_kind={kind!r} of {sharding!r} is not a chip's memory: "
+                         f"use one of {', '.join(MEMORY_KINDS)}")
+    return kind
 
 
 def spec_of(sharding, ndim: int) -> tuple[MeshShape, Spec]:
@@ -62,11 +76,11 @@ class RemoteArray:
     handle takes 3.3 us, against 5.0 us with a ``weakref.finalize`` per array).
     """
 
-    __slots__ = ("__weakref__", "_client", "_id", "_sig", "dtype", "mesh", "shape", "slice",
-                 "spec")
+    __slots__ = ("__weakref__", "_client", "_id", "_sig", "dtype", "memory", "mesh", "shape",
+                 "slice", "spec")
 
     def __init__(self, client: Client, buffer_id: int, slice_name: str, shape, dtype,
-                 mesh: MeshShape, spec: Spec):
+                 mesh: MeshShape, spec: Spec, memory: str = "device"):
         self._client = client
         self._id = buffer_id
         self.slice = slice_name
@@ -74,6 +88,7 @@ class RemoteArray:
         self.dtype = np.dtype(dtype)
         self.mesh = mesh
         self.spec = spec
+        self.memory = memory  # the chips' memory that holds it (a JAX memory kind)
         self._sig = ArgSignature(self.shape, self.dtype.name, spec)  # hashed on every call
 
     def __del__(self):

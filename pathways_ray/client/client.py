@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from pathways_ray import boundary, config
-from pathways_ray.client.arrays import RemoteArray, SliceInfo, spec_of
+from pathways_ray.client.arrays import RemoteArray, SliceInfo, memory_of, spec_of
 from pathways_ray.client.dispatch import Dispatcher
 from pathways_ray.client.jit import Compiled, JitFunction
 from pathways_ray.client.resharding import Resharding
@@ -238,9 +238,10 @@ class Client(Results, Resharding):
         index = shard_slices(x.shape, mesh, spec)
         pieces, size = put_pieces(x, index, unique_shards(index), mesh.size, ray.put)
         self.counters["put_bytes"] += size
-        arr = RemoteArray(self, next(self._ids), target.name, x.shape, x.dtype, mesh, spec)
+        arr = RemoteArray(self, next(self._ids), target.name, x.shape, x.dtype, mesh, spec,
+                          memory_of(sharding))
         self._queue.enqueue(target.name, Put(arr._id, tuple(x.shape), x.dtype.name, spec, mesh,
-                                             pieces=pieces))
+                                             pieces=pieces, memory=arr.memory))
         return arr
 
     # ---- running ------------------------------------------------------------------

@@ -4,7 +4,7 @@ to another slice that the chips make themselves (``Controller.transfer``)."""
 from __future__ import annotations
 
 from pathways_ray import config
-from pathways_ray.client.arrays import RemoteArray, spec_of
+from pathways_ray.client.arrays import RemoteArray, memory_of, spec_of
 from pathways_ray.errors import SliceLost
 from pathways_ray.transport.commands import Put, Reshard
 
@@ -43,12 +43,14 @@ class Resharding:
             if mesh.size != where.chips:
                 raise ValueError(f"the mesh has {mesh.size} devices; slice {where.name} has "
                                  f"{where.chips} chips")
-            placed.append((a, where, mesh, spec))
+            placed.append((a, where, mesh, spec, memory_of(sh)))
         out, moves = [], {}  # source slice -> [(array, its copy)]
-        for a, where, mesh, spec in placed:
-            b = RemoteArray(self, next(self._ids), where.name, a.shape, a.dtype, mesh, spec)
+        for a, where, mesh, spec, memory in placed:
+            b = RemoteArray(self, next(self._ids), where.name, a.shape, a.dtype, mesh, spec,
+                            memory)
             if where.name == a.slice:
-                self._queue.enqueue(where.name, Reshard(a._id, b._id, spec, mesh))
+                self._queue.enqueue(where.name, Reshard(a._id, b._id, spec, mesh,
+                                                        memory=memory))
             else:
                 moves.setdefault(a.slice, []).append((a, b))
             out.append(b)
@@ -60,7 +62,8 @@ class Resharding:
                   mode: str):
         self._sync(src)
         self._sync(dst)
-        items = [(a._id, a.mesh, a.spec, Put(b._id, tuple(b.shape), b.dtype.name, b.spec, b.mesh))
+        items = [(a._id, a.mesh, a.spec, Put(b._id, tuple(b.shape), b.dtype.name, b.spec, b.mesh,
+                                             memory=b.memory))
                  for a, b in pairs]
         try:
             self._call("transfer", src, dst, items, mode, timeout="fetch", where=src)

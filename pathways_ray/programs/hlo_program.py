@@ -60,6 +60,8 @@ class HloSignature:
     out_shardings: tuple[bytes, ...]
     # XLA's CompiledMemoryStats of one chip's executable (argument_size_in_bytes, ...)
     memory_stats: dict[str, int] | None = None
+    # The memory kind each result lands in ("device", "pinned_host" for host offload)
+    out_memory: tuple[str, ...] = ()
 
     def to_bytes(self) -> bytes:
         return json.dumps({
@@ -68,7 +70,7 @@ class HloSignature:
                     for m, s in self.out_layouts],
             "in_shardings": [b.hex() for b in self.in_shardings],
             "out_shardings": [b.hex() for b in self.out_shardings],
-            "memory_stats": self.memory_stats}).encode()
+            "memory_stats": self.memory_stats, "out_memory": list(self.out_memory)}).encode()
 
     @staticmethod
     def from_bytes(data: bytes) -> HloSignature:
@@ -78,4 +80,4 @@ class HloSignature:
                    tuple(tuple(a) for a in s)) for n, z, dv, s in d["out"]),
             tuple(bytes.fromhex(h) for h in d["in_shardings"]),
             tuple(bytes.fromhex(h) for h in d["out_shardings"]),
-            d.get("memory_stats"))
+            d.get("memory_stats"), tuple(d.get("out_memory", ())))

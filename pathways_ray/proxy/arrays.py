@@ -50,6 +50,7 @@ class ProxyArray:
     parent: ProxyArray | None = None  # a shard view: ``index`` of ``parent``
     index: tuple[slice, ...] | None = None
     cached: np.ndarray | None = field(default=None, repr=False)
+    memory: str = "device"  # the chips' memory that holds it (a JAX memory kind)
     # A one-device array's copies on the chips of other placements (slices -> copy)
     copies: dict = field(default_factory=dict, repr=False)
 
@@ -193,15 +194,15 @@ class ArrayTable:
     def from_host(self, data: np.ndarray, sharding: ProxySharding) -> ProxyArray:
         placed = self.place(sharding, data.ndim)
         arr = ProxyArray(tuple(data.shape), data.dtype, placed, sharding.device_ids,
-                         sharding.op)
+                         sharding.op, memory=sharding.memory_kind)
         if placed.device is not None:
             arr.host = data  # to the chips when used there
         else:
-            arr.remote = self._put(data, placed)
+            arr.remote = self._put(data, placed, arr.memory)
         return arr
 
-    def _put(self, data: np.ndarray, placed: Placed) -> RemoteArray:
-        return self.client.device_put(data, Layout(placed.mesh, placed.spec),
+    def _put(self, data: np.ndarray, placed: Placed, memory: str) -> RemoteArray:
+        return self.client.device_put(data, Layout(placed.mesh, placed.spec, memory),
                                       slice=self.target(placed.slices))
 
     def assemble(self, parts: list[ProxyArray], shape: tuple[int, ...], dtype: np.dtype,
@@ -214,7 +215,7 @@ class ArrayTable:
             raise InvalidArgument(f"{len(parts)} single-device arrays for a sharding over "
                                   f"{len(sharding.device_ids)} devices")
         arr = ProxyArray(tuple(shape), np.dtype(dtype), placed, sharding.device_ids,
-                         sharding.op)
+                         sharding.op, memory=sharding.memory_kind)
         blocks = arr.blocks(self.devices, self.chips)
         for i, (index, part) in enumerate(zip(blocks, parts, strict=True)):
             want = tuple(s.stop - s.start for s in index)
@@ -225,18 +226,22 @@ class ArrayTable:
         parents = {id(p.parent) for p in parts}
         first = parts[0].parent
         if (len(parents) == 1 and first is not None and first.placed == placed
-                and first.device_ids == sharding.device_ids and first.shape == arr.shape):
+                and first.device_ids == sharding.device_ids and first.shape == arr.shape
+                and first.memory == arr.memory):
             arr.remote, arr.host = first.remote, first.host  # taken apart, put back
             return arr
-        if placed.device is not None:
+        if placed.device is not None and parts[0].memory == arr.memory:
             arr.remote, arr.host = parts[0].remote, parts[0].host
             if arr.remote is None and arr.host is None:
                 arr.host = self.to_host(parts[0])
             return arr
+        if placed.device is not None:
+            arr.host = self.to_host(parts[0])
+            return arr
         full = np.empty(shape, dtype)
         for index, part in zip(blocks, parts, strict=True):
             full[index] = self.to_host(part)
-        arr.remote = self._put(full, placed)
+        arr.remote = self._put(full, placed, arr.memory)
         return arr
 
     def disassemble(self, arr: ProxyArray) -> list[ProxyArray]:
@@ -246,7 +251,7 @@ class ArrayTable:
         out = []
         for d, index in zip(arr.device_ids, arr.blocks(self.devices, self.chips), strict=True):
             one = ProxyArray(tuple(s.stop - s.start for s in index), arr.dtype,
-                             self._one(len(index), d), (d,))
+                             self._one(len(index), d), (d,), memory=arr.memory)
             self._share(arr, one, index)
             out.append(one)
         return out
@@ -265,7 +270,7 @@ class ArrayTable:
         if not self._replicated(arr):
             raise InvalidArgument("fully_replicated_shard of an array that is not replicated")
         one = ProxyArray(arr.shape, arr.dtype, self._one(len(arr.shape), arr.device_ids[0]),
-                         arr.device_ids[:1])
+                         arr.device_ids[:1], memory=arr.memory)
         self._share(arr, one, tuple(slice(0, n) for n in arr.shape))
         return one
 
@@ -306,7 +311,7 @@ class ArrayTable:
             target = None
         logger.debug("putting a %s %s array on %s", arr.dtype, arr.shape, self.describe(slices))
         mesh, spec = replicated(sum(self.chips[s] for s in slices), len(arr.shape))
-        remote = self.client.device_put(self.to_host(arr), Layout(mesh, spec),
+        remote = self.client.device_put(self.to_host(arr), Layout(mesh, spec, arr.memory),
                                         slice=self.target(slices))
         if target is None:
             arr.copies[slices] = remote
@@ -314,27 +319,30 @@ class ArrayTable:
             arr.remote = remote
         return remote
 
-    def copy(self, arr: ProxyArray, device_ids: tuple[int, ...]) -> ProxyArray:
-        """``arr`` with the same sharding on other devices (another slice: chip to chip)."""
+    def copy(self, arr: ProxyArray, device_ids: tuple[int, ...], memory: str = "") -> ProxyArray:
+        """``arr`` with the same sharding on other devices (another slice: chip to chip)
+        or in another of their memories (``memory``; "": the same)."""
         if len(device_ids) != len(arr.device_ids):
             raise InvalidArgument(f"copying an array on {len(arr.device_ids)} devices to "
                                   f"{len(device_ids)} devices")
-        return self.reshard(arr, ProxySharding(tuple(device_ids), arr.op))
+        return self.reshard(arr, ProxySharding(tuple(device_ids), arr.op, memory or arr.memory))
 
     def reshard(self, arr: ProxyArray, sharding: ProxySharding) -> ProxyArray:
         placed = self.place(sharding, len(arr.shape))
-        out = ProxyArray(arr.shape, arr.dtype, placed, sharding.device_ids, sharding.op)
-        if placed == arr.placed and arr.remote is not None:
+        out = ProxyArray(arr.shape, arr.dtype, placed, sharding.device_ids, sharding.op,
+                         memory=sharding.memory_kind)
+        if placed == arr.placed and arr.remote is not None and arr.memory == out.memory:
             out.remote = arr.remote
         elif arr.remote is None or arr.parent is not None or placed.device is not None:
             data = self.to_host(arr)  # still here (or one device): from the proxy
             if placed.device is not None:
                 out.host = data
             else:
-                out.remote = self._put(data, placed)
+                out.remote = self._put(data, placed, out.memory)
         else:
-            out.remote = self.client.reshard(arr.remote, Layout(placed.mesh, placed.spec),
-                                             slice=self.target(placed.slices))
+            out.remote = self.client.reshard(
+                arr.remote, Layout(placed.mesh, placed.spec, out.memory),
+                slice=self.target(placed.slices))
         return out
 
     def ready(self, arrays: list[ProxyArray], timeout_s: float | None = None) -> None:

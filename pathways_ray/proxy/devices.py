@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pathways_ray.client.arrays import MEMORY_KINDS
 from pathways_ray.proxy.protos import xla_python_ifrt_attribute_map_pb2 as attribute_map_pb2
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
 
@@ -38,13 +39,6 @@ class ProxyDevice:
     coords: tuple[int, ...]
     platform: str
     device_kind: str
-
-    @property
-    def memory_kind(self) -> str:
-        """The memory space a program's arrays live in by default: "device" on TPU and on
-        JAX's CPU devices alike (an "unpinned_host" default would make JAX lower host
-        offloading into every program)."""
-        return "device"
 
     def describe(self) -> str:
         return (f"{self.device_kind} {self.id} (slice {self.slice_index} {self.slice_name}, "
@@ -96,8 +90,12 @@ def _attributes(values: dict) -> attribute_map_pb2.AttributeMapProto:
     return out
 
 
+# A chip's memories (``MEMORY_KINDS``, as JAX names them): its own, the default
+# ("device" on TPU and on JAX's CPU devices alike: an "unpinned_host" default would make
+# JAX lower host offloading into every program), and its host's, pinned for DMA and not
+# (host offload). Memory ``k`` of device ``d`` has id ``k * len(devices) + d``.
 def init_response(session_id: int, devices: Sequence[ProxyDevice]) -> ifrt_pb2.InitResponse:
-    """The session's devices, each with one memory, all addressable by the client."""
+    """The session's devices, each with its memories, all addressable by the client."""
     platform = devices[0].platform if devices else "cpu"
     resp = ifrt_pb2.InitResponse(
         session_id=session_id, platform_name=platform, platform_version="pathways-ray",
@@ -107,15 +105,17 @@ def init_response(session_id: int, devices: Sequence[ProxyDevice]) -> ifrt_pb2.I
     for d in devices:
         resp.all_devices.append(ifrt_pb2.InitResponse.Device(
             id=d.id, local_device_id=d.id, local_hardware_id=d.rank, platform_name=d.platform,
-            device_kind=d.device_kind, default_memory_id=d.id, memory_ids=[d.id],
+            device_kind=d.device_kind, default_memory_id=d.id,
+            memory_ids=[k * len(devices) + d.id for k in range(len(MEMORY_KINDS))],
             debug_string=d.describe(), to_string=d.describe(),
             attributes=_attributes({"slice_index": d.slice_index, "coords": list(d.coords),
                                     "core_on_chip": 0, "worker_id": d.worker_id,
                                     "slice_name": d.slice_name})))
-        resp.memories.append(ifrt_pb2.InitResponse.Memory(
-            id=d.id, memory_space_kind=d.memory_kind, kind_id=0, device_ids=[d.id],
-            debug_string=f"{d.memory_kind} of device {d.id}",
-            to_string=f"{d.memory_kind} of device {d.id}"))
+        for k, kind in enumerate(MEMORY_KINDS):
+            resp.memories.append(ifrt_pb2.InitResponse.Memory(
+                id=k * len(devices) + d.id, memory_space_kind=kind, kind_id=k,
+                device_ids=[d.id], debug_string=f"{kind} of device {d.id}",
+                to_string=f"{kind} of device {d.id}"))
         resp.addressable_device_ids.append(d.id)
         resp.primary_device_ids.append(d.id)
     return resp

@@ -182,6 +182,7 @@ def execute(table: ArrayTable, exe: Executable, args: list[ProxyArray]) -> list[
         else:
             placed = Placed(exe.slices, sig.mesh, sig.spec)
             op = xla_data_pb2.OpSharding.FromString(exe.signature.out_shardings[i])
+        out.memory = exe.signature.out_memory[i]
         results.append(ProxyArray(tuple(sig.shape), np.dtype(sig.dtype), placed,
-                                  exe.device_ids, op, remote=out))
+                                  exe.device_ids, op, remote=out, memory=out.memory))
     return results

@@ -44,7 +44,7 @@ from pathways_ray.proxy.host_buffers import HostBuffers, host_array
 from pathways_ray.proxy.program_parser import ProgramParser
 from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_ifrt_service_pb2 as ifrt_pb2
 from pathways_ray.proxy.session_programs import ProgramRequests
-from pathways_ray.proxy.types import dtype_of, parse_sharding
+from pathways_ray.proxy.types import dtype_of, parse_sharding, served_memory
 
 __all__ = ["Session"]
 
@@ -330,8 +330,9 @@ class Session(ProgramRequests):
     def _copy_arrays(self, req, response) -> None:
         arrays = [self.arrays.get(h) for h in req.array_handles]
         handles = list(req.result_handles) or [0] * len(arrays)
-        out = [self.arrays.copy(a, tuple(req.device_ids)) if req.device_ids else a
-               for a in arrays]
+        kind = served_memory(req.memory_kind)
+        out = [self.arrays.copy(a, tuple(req.device_ids) or a.device_ids, kind)
+               if req.device_ids or kind else a for a in arrays]
         response.copy_arrays_response.array_handles.extend(
             self._new(h, a) for h, a in _pairs(handles, out, "result handles and arrays"))
 

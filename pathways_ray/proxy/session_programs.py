@@ -92,7 +92,7 @@ class ProgramRequests:
                 into.shardings.extend(xla_xla_data_pb2.OpSharding.FromString(b) for b in ops)
             # One list for the program, a kind per result.
             out.output_memory_kinds.memory_kind_lists.add().memory_kinds.extend(
-                ["device"] * len(exe.hlo.out_shapes))
+                exe.signature.out_memory)
         else:  # lost before it compiled: JAX then keeps the shardings it asked for
             out.output_memory_kinds.status.code = DATA_LOSS
             out.output_memory_kinds.status.message = str(exe.lost)
@@ -146,9 +146,10 @@ class ProgramRequests:
         if not req.result_array_handle:
             from pathways_ray.proxy.types import dtype_proto, hlo_sharding_proto
 
-            kind = self.devices[exe.device_ids[0]].memory_kind
-            for i, (h, (shape, dtype)) in enumerate(zip(handles, exe.hlo.out_shapes,
-                                                        strict=True)):
+            kinds = (exe.signature.out_memory if exe.signature is not None
+                     else ["device"] * len(handles))
+            for i, (h, (shape, dtype), kind) in enumerate(zip(handles, exe.hlo.out_shapes,
+                                                              kinds, strict=True)):
                 o = out.outputs.add(array_handle=h)
                 o.dtype.CopyFrom(dtype_proto(dtype))
                 o.shape.dims.extend(shape)
@@ -181,7 +182,7 @@ class ProgramRequests:
                 o.shape.dims.extend(a.shape)
                 o.sharding.CopyFrom(hlo_sharding_proto(
                     a.device_ids, a.op.SerializeToString() if a.op is not None else None,
-                    self.devices[a.device_ids[0]].memory_kind))
+                    a.memory))
 
     def _loaded_executable_fetch_execute_result(self, req, response, wait) -> None:
         wait()

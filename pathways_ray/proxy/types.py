@@ -11,11 +11,12 @@ the slice's programs can use it where they run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from pathways_ray.client.arrays import MEMORY_KINDS
 from pathways_ray.programs.hlo_sharding import MAXIMAL, REPLICATED, layout_of, replicated
 from pathways_ray.programs.hlo_sharding import sharding_kind as _kind
 from pathways_ray.programs.sharding import MeshShape, Spec
@@ -66,11 +67,12 @@ class ProxySharding:
 
     device_ids: tuple[int, ...]
     op: object | None = None
-    memory_kind: str = ""
+    memory_kind: str = "device"
 
 
-# The memory kinds served: a chip's own memory ("" is the device's default).
-SERVED_MEMORY_KINDS = ("", "device")
+# The memory kinds served: a chip's own memory ("" is the device's default) and its
+# host's (JAX's kinds, as a TPU's and XLA's CPU devices have them).
+SERVED_MEMORY_KINDS = ("", *MEMORY_KINDS)
 
 
 def parse_sharding(proto: sharding_pb2.ShardingProto) -> ProxySharding:
@@ -98,11 +100,15 @@ def parse_sharding(proto: sharding_pb2.ShardingProto) -> ProxySharding:
         raise InvalidArgument(f"a sharding of kind {kind!r} does not parse: {e}") from None
     if not out.device_ids:
         raise InvalidArgument(f"a sharding of kind {kind!r} over no devices")
-    if out.memory_kind not in SERVED_MEMORY_KINDS:
-        raise Unimplemented(
-            f"memory kind {out.memory_kind!r} is not served by the pathways-ray proxy yet: "
-            f"arrays live in the chips' device memory (sharding.with_memory_kind('device'))")
-    return out
+    return replace(out, memory_kind=served_memory(out.memory_kind) or "device")
+
+
+def served_memory(kind: str) -> str:
+    """``kind``, a memory kind the client named; ``Unimplemented`` if not a chip's."""
+    if kind not in SERVED_MEMORY_KINDS:
+        raise Unimplemented(f"memory kind {kind!r} is not served by the pathways-ray proxy: "
+                            f"a chip's memories are {', '.join(SERVED_MEMORY_KINDS[1:])}")
+    return kind
 
 
 def hlo_sharding_proto(device_ids: Sequence[int], op_bytes: bytes | None,

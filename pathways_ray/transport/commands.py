@@ -97,6 +97,7 @@ class Put:
     mesh: MeshShape
     start: int = 0
     pieces: Any = None
+    memory: str = "device"  # the chips' memory it lives in (a JAX memory kind)
 
     reads = ()
 
@@ -106,7 +107,7 @@ class Put:
 
     def __reduce__(self):
         return (Put, (self.buffer, self.shape, self.dtype, self.spec, self.mesh, self.start,
-                      self.pieces))
+                      self.pieces, self.memory))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,13 +155,14 @@ class Compile:
 
 @dataclass(frozen=True, slots=True)
 class Reshard:
-    """The same array on the same chips with another sharding."""
+    """The same array on the same chips with another sharding (or in another memory)."""
 
     src: int
     dst: int
     spec: Spec
     mesh: MeshShape
     start: int = 0
+    memory: str = "device"
 
     @property
     def reads(self) -> tuple[int, ...]:
@@ -171,7 +173,7 @@ class Reshard:
         return (self.dst,)
 
     def __reduce__(self):
-        return (Reshard, (self.src, self.dst, self.spec, self.mesh, self.start))
+        return (Reshard, (self.src, self.dst, self.spec, self.mesh, self.start, self.memory))
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 
 from pathways_ray.client.arrays import RemoteArray
 from pathways_ray.proxy.arrays import ArrayTable, ProxyArray
-from pathways_ray.proxy.errors import InvalidArgument, PermissionDenied, Unimplemented
+from pathways_ray.proxy.errors import InvalidArgument, PermissionDenied
 from pathways_ray.proxy.plugins.requests import Persistence, Profile, Reshard, parse
 from pathways_ray.proxy.protos import xla_xla_data_pb2 as xla_data_pb2
 from pathways_ray.proxy.types import ProxySharding
@@ -162,17 +162,15 @@ def _write(table: ArrayTable, req: Persistence, args: list[ProxyArray]) -> Calla
 
 def _reshard(table: ArrayTable, req: Reshard, args: list[ProxyArray]
              ) -> tuple[list[ProxyArray], Callable[[], None]]:
-    from pathways_ray.proxy.types import SERVED_MEMORY_KINDS
+    from pathways_ray.proxy.types import served_memory
 
     if len(args) != len(req.targets):
         raise InvalidArgument(f"a reshard of {len(req.targets)} arrays was given {len(args)}")
     outs = []
     for i, (arr, target) in enumerate(zip(args, req.targets, strict=True)):
-        if target.memory_kind not in SERVED_MEMORY_KINDS:
-            raise Unimplemented(f"memory kind {target.memory_kind!r} is not served by the "
-                                f"pathways-ray proxy yet (reshard target {i})")
-        outs.append(table.reshard(arr, ProxySharding(target.device_ids,
-                                                     _op(target.op, f"target {i}"))))
+        outs.append(table.reshard(arr, ProxySharding(
+            target.device_ids, _op(target.op, f"target {i}"),
+            served_memory(target.memory_kind) or "device")))
     return outs, lambda: table.ready(outs)
 
 
