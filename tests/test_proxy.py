@@ -155,6 +155,22 @@ def test_a_plain_jax_training_script_runs_unchanged_with_local_losses(proxy):
     assert through["put_bytes"] + through["fetched_bytes"] < 64 << 10, through
 
 
+def test_a_sharded_array_read_shard_by_shard_is_fetched_from_the_chips_once(proxy):
+    """jax reads a sharded array one shard at a time (a copy to the host per shard, all
+    at once): the four reads of a 4 MiB array on four chips share one fetch of it,
+    not four (16 MiB) racing each other."""
+    before = proxy.stats()
+    got = _script(proxy_scripts.PREAMBLE + """
+big = jax.jit(lambda: jnp.arange(1 << 20, dtype=jnp.float32).reshape(1024, 1024),
+              out_shardings=NamedSharding(mesh0, P("data")))()
+print("RESULT", json.dumps({"total": float(np.asarray(big).sum())}), flush=True)
+""", proxy)
+    after = proxy.stats()
+    assert got["total"] == float(np.arange(1 << 20, dtype=np.float32).sum())
+    fetched = after["fetched_bytes"] - before["fetched_bytes"]
+    assert 4 << 20 <= fetched < (4 << 20) + (64 << 10), fetched
+
+
 # Runs a module as ``python -m`` would, after the one line a pathwaysutils user adds.
 RUN_MODULE = ("import pathwaysutils, runpy, sys; pathwaysutils.initialize(); "
               "name = sys.argv[1]; sys.argv = [name]; "

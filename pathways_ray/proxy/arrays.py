@@ -17,6 +17,8 @@ move between slices is ``Client.reshard``: the chips copy the shards themselves.
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent import futures
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -85,6 +87,10 @@ class ArrayTable:
         self._used = set(self.slice_names)  # every name that backed an index
         self._arrays: dict[int, ProxyArray | BaseException] = {}
         self._deleted: set[int] = set()  # deleted (DeleteArray), not yet destructed
+        # Fetches under way (array -> its future): the shards of one array, read at once
+        # (jax reads a sharded array shard by shard), share one fetch of it.
+        self._fetching: dict[ProxyArray, futures.Future] = {}
+        self._fetching_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._arrays)
@@ -291,7 +297,21 @@ class ArrayTable:
             return arr.host
         if arr.parent is not None:
             return self.to_host(arr.parent, timeout_s)[arr.index]
-        arr.cached = arr.remote.fetch(timeout_s)
+        with self._fetching_lock:
+            pending = self._fetching.get(arr)
+            if pending is None:
+                mine = self._fetching[arr] = futures.Future()
+        if pending is not None:  # another thread fetches it, within its own timeout
+            return pending.result()
+        try:
+            arr.cached = arr.remote.fetch(timeout_s)
+            mine.set_result(arr.cached)
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        finally:
+            with self._fetching_lock:
+                del self._fetching[arr]
         return arr.cached
 
     def on_chips(self, arr: ProxyArray, slices: tuple[int, ...]) -> RemoteArray:
