@@ -299,3 +299,32 @@ def test_listening_tells_a_killed_worker_at_once_and_a_frozen_one_still_listens(
             proc.join(5)
         ch.close()
         live.close()
+
+
+def test_a_put_travels_in_its_command_while_every_chip_receiving_it_stays_small():
+    """A put rides inside its command (no Ray object, no call per chip) when its blocks
+    are 64 KiB at most, or when every chip receiving all of them stays within 1 MiB: a
+    256 KiB batch on 4 chips does; the same per chip on 64 chips, 16 MiB, does not."""
+    import numpy as np
+
+    from pathways_ray.programs.sharding import MeshShape, shard_slices, unique_shards
+    from pathways_ray.transport.commands import Inline, put_pieces
+
+    def pieces(nbytes: int, chips: int):
+        x = np.zeros(nbytes // 4, np.float32)
+        mesh = MeshShape(("data",), (chips,))
+        index = shard_slices(x.shape, mesh, (("data",),))
+        objects = []
+        out, size = put_pieces(x, index, unique_shards(index), chips,
+                               lambda b: objects.append(b) or len(objects))
+        assert size == nbytes
+        return out, objects
+
+    batch, objects = pieces(256 << 10, 4)
+    assert isinstance(batch, Inline) and not objects
+    assert [b.nbytes for b in batch.blocks] == [64 << 10] * 4 and batch.of_rank == (0, 1, 2, 3)
+    small, objects = pieces(32 << 10, 64)  # 32 KiB to each of 64 chips: 2 MiB, but small
+    assert isinstance(small, Inline) and not objects
+    wide, objects = pieces(16 << 20, 64)  # one object per chip's block, none inline
+    assert not isinstance(wide, Inline) and len(objects) == 64
+    assert [ref for ((ref, _),) in wide] == list(range(1, 65))
