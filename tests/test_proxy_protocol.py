@@ -71,8 +71,12 @@ def test_the_init_response_says_what_jax_reads():
     assert attrs["slice_index"].int64_value == 1
     assert list(attrs["coords"].int64_list_value.elements) == [1, 0, 0]
     assert attrs["core_on_chip"].int64_value == 0
-    assert list(d.memory_ids) == [5] and d.default_memory_id == 5
-    assert resp.memories[5].memory_space_kind == "device"  # as JAX's own CPU devices
+    # Each chip's device memory, then its host's pinned and unpinned memory (ids n+d, 2n+d).
+    assert list(d.memory_ids) == [5, 13, 21] and d.default_memory_id == 5
+    memories = {m.id: m for m in resp.memories}
+    assert [memories[m].memory_space_kind for m in (5, 13, 21)] == [
+        "device", "pinned_host", "unpinned_host"]  # device: as JAX's own CPU devices
+    assert [list(memories[m].device_ids) for m in (5, 13, 21)] == [[5]] * 3
     assert "slice 1 s1" in d.debug_string
 
 
