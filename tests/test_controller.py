@@ -187,6 +187,27 @@ def test_a_program_exported_for_another_platform_fails_on_the_client_naming_both
     np.testing.assert_array_equal(f(a).fetch(), np.ones(4))  # the slice is fine
 
 
+def test_fetch_all_reads_arrays_of_both_slices_in_one_round_trip_per_slice(client, mesh):
+    """``fetch_all``: arrays of any sharding on both slices, one read per slice; one
+    that failed raises its error, or with ``missing_ok`` comes back None (as one freed
+    under the read, or donated) while the others still arrive."""
+    xs = [np.arange(8 * 12, dtype=np.float32).reshape(8, 12) + i for i in range(4)]
+    specs = [P("data", "model"), P(), P(None, "model"), P(("data", "model"))]
+    arrays = [client.device_put(x, NamedSharding(mesh, spec), slice=i % 2)
+              for i, (x, spec) in enumerate(zip(xs, specs, strict=True))]
+    before = client.counters["fetches"]
+    for got, x in zip(client.fetch_all(arrays), xs, strict=True):
+        np.testing.assert_array_equal(got, x)
+    assert client.counters["fetches"] - before == 2
+    bad = client.jit(lambda v: v + jnp.arange(1 << 36, dtype=jnp.float32).reshape(-1, 8).sum(0))(
+        client.device_put(np.ones(8, np.float32), NamedSharding(mesh, P(("data", "model")))))
+    with pytest.raises(RemoteError, match="RESOURCE_EXHAUSTED"):
+        client.fetch_all([arrays[0], bad])
+    got = client.fetch_all([arrays[0], bad], missing_ok=True)
+    np.testing.assert_array_equal(got[0], xs[0])
+    assert got[1] is None
+
+
 def test_failing_program_returns_remote_traceback_and_slice_lives(client, mesh):
     """An error while a program runs (here: out of memory) comes back with the remote
     traceback when the result is fetched; the slice keeps running programs."""

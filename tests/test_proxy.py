@@ -171,6 +171,44 @@ print("RESULT", json.dumps({"total": float(np.asarray(big).sum())}), flush=True)
     assert 4 << 20 <= fetched < (4 << 20) + (64 << 10), fetched
 
 
+# A train step as MaxText's: its state donated to the next step, its metrics read one
+# scalar at a time after the next step is on its way.
+METRICS = proxy_scripts.PREAMBLE + """
+rep = NamedSharding(mesh0, P())
+def train(state, x):
+    w, n = state
+    f = lambda w: jnp.mean((x @ w) ** 2)
+    loss, g = jax.value_and_grad(f)(w)
+    return (w - 0.01 * g, n + 1), {"loss": loss, "gnorm": jnp.linalg.norm(g), "n": n,
+                                    "wmax": w.max(), "wmin": w.min(), "gsum": g.sum()}
+run = jax.jit(train, donate_argnums=0)
+state = (jax.device_put(np.full((16, 16), 0.1, np.float32), rep), jax.device_put(np.int32(0), rep))
+seen, last = [], None
+for i in range(6):
+    state, metrics = run(state, jax.device_put(X + i, NamedSharding(mesh0, P("data"))))
+    if last is not None:
+        seen.append({k: float(v) for k, v in last.items()})
+    last = metrics
+seen.append({k: float(v) for k, v in last.items()})
+print("RESULT", json.dumps({"seen": seen}), flush=True)
+"""
+
+
+def test_a_steps_scalar_metrics_read_one_by_one_come_from_the_chips_together(proxy):
+    """MaxText reads a step's metrics one scalar at a time: the first read brings the
+    step's other small results along (one fetch, not six), while its small state,
+    donated to the next step meanwhile, stays behind without failing any read. The
+    values are local JAX's."""
+    before = proxy.stats()["fetches"]
+    got = _script(METRICS, proxy)["seen"]
+    fetches = proxy.stats()["fetches"] - before
+    want = _script(METRICS)["seen"]
+    assert [m["n"] for m in got] == list(range(6))
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys() and all(np.isclose(g[k], w[k], rtol=1e-5) for k in g), (g, w)
+    assert fetches <= 6 + 2, fetches  # one per step (36 reads), and the device_puts' none
+
+
 # Runs a module as ``python -m`` would, after the one line a pathwaysutils user adds.
 RUN_MODULE = ("import pathwaysutils, runpy, sys; pathwaysutils.initialize(); "
               "name = sys.argv[1]; sys.argv = [name]; "

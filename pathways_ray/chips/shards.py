@@ -191,12 +191,21 @@ class Shards:
         self._after(after)
         return self.executor.local_shard(buffer_id)
 
-    def shards(self, buffer_ids: list[int], after: int = 0,
-               lease: str | None = None) -> list[np.ndarray]:
-        """This chip's shards of several buffers, in one object (a snapshot's share)."""
+    def shards(self, buffer_ids: list[int], after: int = 0, lease: str | None = None,
+               missing_ok: bool = False) -> list[np.ndarray | None]:
+        """This chip's shards of several buffers, in one object (a snapshot's share).
+        ``missing_ok``: a buffer that cannot be read (freed, donated, failed) is None."""
         self._check_lease(lease)
         self._after(after)
-        return [self.executor.local_shard(i) for i in buffer_ids]
+        out = []
+        for i in buffer_ids:
+            try:
+                out.append(self.executor.local_shard(i))
+            except RemoteError:
+                if not missing_ok:
+                    raise
+                out.append(None)
+        return out
 
     def put_shards(self, packets: list[list[int]], after: int = 0,
                    lease: str | None = None) -> tuple:

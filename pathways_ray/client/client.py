@@ -68,8 +68,8 @@ class Client(Results, Resharding):
         self._keeper = None  # the host-memory snapshot keeper, started on first use
         self._ready_polls: dict[tuple[str, int], list] = {}  # is_ready's open queries
         # What this client sent and received itself: array bytes it put in the object
-        # store (device_put), bytes it fetched, sidecar calls it made.
-        self.counters = {"put_bytes": 0, "fetched_bytes": 0, "sidecar_calls": 0}
+        # store (device_put), bytes it fetched and in how many reads, its sidecar calls.
+        self.counters = {"put_bytes": 0, "fetched_bytes": 0, "fetches": 0, "sidecar_calls": 0}
         self._queue = Dispatcher(controller, [s.name for s in self.slices],
                                  max_batch=max_batch, flush_interval_s=flush_interval_s,
                                  died=self._controller_died)

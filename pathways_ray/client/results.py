@@ -82,11 +82,48 @@ class Results:
         index = shard_slices(arr.shape, arr.mesh, arr.spec)
         firsts = sorted(set(unique_shards(index)))
         refs = self._call("shard_refs", arr.slice, arr._id, firsts, where=arr.slice)
+        self.counters["fetches"] += 1
         values = self._worker_results(arr.slice, refs, timeout_s, f"fetching {arr!r}")
+        return self._assembled(arr, index, firsts, values)
+
+    def _assembled(self, arr: RemoteArray, index, firsts: list[int], values) -> np.ndarray:
         self.counters["fetched_bytes"] += sum(getattr(v, "nbytes", 0) for v in values)
         full = tuple(slice(0, n) for n in arr.shape)
         return assemble(full, arr.dtype.name,
                         [(index[r], v) for r, v in zip(firsts, values, strict=True)])
+
+    def fetch_all(self, arrays: list[RemoteArray], timeout_s: float | None = None, *,
+                  missing_ok: bool = False) -> list[np.ndarray | None]:
+        """Bring several arrays to the client at once: per slice, one call to the
+        controller and one to each chip holding a shard they need (``fetch`` takes two
+        round trips per array). Raises the first failure among them; ``missing_ok``:
+        an array that cannot be read (freed or donated on the chips, or failed) is None."""
+        by_slice: dict[str, list[int]] = {}
+        for i, a in enumerate(arrays):
+            self._own(a)
+            by_slice.setdefault(a.slice, []).append(i)
+        out: list = [None] * len(arrays)
+        for name, members in by_slice.items():
+            self._sync(name)
+            plan: dict[int, list[int]] = {}  # rank -> buffers whose shard there is read
+            wants = []
+            for i in members:
+                index = shard_slices(arrays[i].shape, arrays[i].mesh, arrays[i].spec)
+                firsts = sorted(set(unique_shards(index)))
+                wants.append((i, index, firsts))
+                for r in firsts:
+                    plan.setdefault(r, []).append(arrays[i]._id)
+            refs = self._call("snapshot_refs", name, plan, missing_ok, where=name)
+            self.counters["fetches"] += 1
+            ranks = list(refs)
+            values = self._worker_results(name, [refs[r] for r in ranks], timeout_s,
+                                          f"fetching {len(members)} arrays of {name}")
+            shards = {r: iter(v) for r, v in zip(ranks, values, strict=True)}
+            for i, index, firsts in wants:
+                got = [next(shards[r]) for r in firsts]
+                if all(v is not None for v in got):
+                    out[i] = self._assembled(arrays[i], index, firsts, got)
+        return out
 
     def _fetch_local(self, arr: RemoteArray, rank: int = 0,
                      timeout_s: float | None = None) -> np.ndarray:

@@ -160,12 +160,14 @@ class Streams:
         return [workers[r].handle.shard.remote(buffer_id, sent[r], lease=self._token)
                 for r in ranks]
 
-    def snapshot_refs(self, where: str, plan: dict[int, list[int]]) -> dict:
+    def snapshot_refs(self, where: str, plan: dict[int, list[int]],
+                      missing_ok: bool = False) -> dict:
         """Per rank, the object ref of its shards of the buffers ``plan`` names (one
-        call per chip; the snapshot keeper pulls them, not us)."""
+        call per chip; the snapshot keeper, or ``Client.fetch_all``, pulls them, not us)."""
         p = self._place(where)
         workers, sent = p.workers, self._sent(p)
-        return {r: workers[r].handle.shards.remote(ids, sent[r], lease=self._token)
+        return {r: workers[r].handle.shards.remote(ids, sent[r], lease=self._token,
+                                                    missing_ok=missing_ok)
                 for r, ids in plan.items()}
 
     def ready(self, where: str, buffer_ids: list[int]) -> list:

@@ -12,12 +12,16 @@ An array is one of:
 
 Arrays are immutable, so a host copy, once fetched, answers every later read. Every
 move between slices is ``Client.reshard``: the chips copy the shards themselves.
+
+A program's small results ride along: one read fetches the others too (MaxText reads a
+step's dozen metrics, jax copies a batch's slices to their devices, one at a time).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -38,6 +42,11 @@ if TYPE_CHECKING:
 __all__ = ["ArrayTable", "ProxyArray"]
 
 logger = logging.getLogger(__name__)
+
+# Results of one program read together: each at most RIDE_BYTES, RIDE_TOTAL_BYTES in all
+# (the smallest first).
+RIDE_BYTES = 64 * 1024
+RIDE_TOTAL_BYTES = 256 * 1024
 
 
 @dataclass(eq=False)
@@ -91,6 +100,10 @@ class ArrayTable:
         # (jax reads a sharded array shard by shard), share one fetch of it.
         self._fetching: dict[ProxyArray, futures.Future] = {}
         self._fetching_lock = threading.Lock()
+        # A program's small results: each -> its fellows (weak: freeing one frees it),
+        # and those that rode along on another's read, until read (or freed).
+        self._fellows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._rode: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
         return len(self._arrays)
@@ -304,7 +317,7 @@ class ArrayTable:
         if pending is not None:  # another thread fetches it, within its own timeout
             return pending.result()
         try:
-            arr.cached = arr.remote.fetch(timeout_s)
+            arr.cached = self._fetch(arr.remote, timeout_s)
             mine.set_result(arr.cached)
         except BaseException as e:
             mine.set_exception(e)
@@ -313,6 +326,39 @@ class ArrayTable:
             with self._fetching_lock:
                 del self._fetching[arr]
         return arr.cached
+
+    def results(self, remotes: list[RemoteArray]) -> None:
+        """Note one program's results: its small ones are read together."""
+        small = sorted((r for r in remotes if r.nbytes <= RIDE_BYTES), key=lambda r: r.nbytes)
+        total, group = 0, []
+        for r in small:
+            total += r.nbytes
+            if total > RIDE_TOTAL_BYTES:
+                break
+            group.append(weakref.ref(r))
+        if len(group) > 1:
+            with self._fetching_lock:
+                for ref in group:
+                    self._fellows[ref()] = group
+
+    def _fetch(self, remote: RemoteArray, timeout_s: float | None) -> np.ndarray:
+        """``remote``'s bytes, and with them its unread fellows' (one round trip)."""
+        with self._fetching_lock:
+            rode = self._rode.get(remote)
+            if rode is not None:
+                return rode
+            group = self._fellows.pop(remote, ())
+            fellows = [r for r in (ref() for ref in group)
+                       if r is not None and r is not remote and self._fellows.pop(r, None)]
+        if not fellows:
+            return remote.fetch(timeout_s)
+        # (A fellow freed or donated meanwhile stays behind: it can no longer be read.)
+        values = self.client.fetch_all([remote, *fellows], timeout_s, missing_ok=True)
+        with self._fetching_lock:
+            for r, v in zip(fellows, values[1:], strict=True):
+                if v is not None:
+                    self._rode[r] = v
+        return remote.fetch(timeout_s) if values[0] is None else values[0]  # (its error)
 
     def on_chips(self, arr: ProxyArray, slices: tuple[int, ...]) -> RemoteArray:
         """``arr`` on the chips of ``slices``, as a program there reads it: where it lives,

@@ -185,4 +185,5 @@ def execute(table: ArrayTable, exe: Executable, args: list[ProxyArray]) -> list[
         out.memory = exe.signature.out_memory[i]
         results.append(ProxyArray(tuple(sig.shape), np.dtype(sig.dtype), placed,
                                   exe.device_ids, op, remote=out, memory=out.memory))
+    table.results(outs)
     return results

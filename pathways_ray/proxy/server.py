@@ -375,11 +375,12 @@ class ProxyServer:
     def stats(self) -> dict[str, int]:
         """Sessions so far and the bytes that passed through this server, summed over
         them: ``host_bytes_in``/``_out`` (the clients' host buffers), ``put_bytes``/
-        ``fetched_bytes`` (between this process and the chips)."""
+        ``fetched_bytes`` (between this process and the chips), and ``fetches`` (reads
+        from the chips, each one round trip)."""
         with self._service._lock:
             each = self._service.closed + [s.stats() for s in self._service.sessions.values()]
         out = {k: sum(c[k] for c in each) for k in ("host_bytes_in", "host_bytes_out",
-                                                    "put_bytes", "fetched_bytes")}
+                                                    "put_bytes", "fetched_bytes", "fetches")}
         return {"sessions": len(each), **out}
 
     def start(self) -> str:

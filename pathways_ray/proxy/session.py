@@ -102,7 +102,7 @@ class Session(ProgramRequests):
         self._counts_lock = threading.Lock()
         self._client_base: dict[str, int] = {}
         self.counters = {"host_bytes_in": 0, "host_bytes_out": 0, "put_bytes": 0,
-                         "fetched_bytes": 0}
+                         "fetched_bytes": 0, "fetches": 0}
 
     def count(self, key: str, n: int) -> None:
         with self._counts_lock:
@@ -114,7 +114,7 @@ class Session(ProgramRequests):
             if client is not None:
                 # (A client handed on from an earlier session counted its bytes too.)
                 self.counters.update({k: client.counters[k] - self._client_base.get(k, 0)
-                                      for k in ("put_bytes", "fetched_bytes")})
+                                      for k in ("put_bytes", "fetched_bytes", "fetches")})
             return dict(self.counters)
 
     # ---- requests --------------------------------------------------------------------
