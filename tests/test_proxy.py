@@ -209,6 +209,43 @@ def test_a_steps_scalar_metrics_read_one_by_one_come_from_the_chips_together(pro
     assert fetches <= 6 + 2, fetches  # one per step (36 reads), and the device_puts' none
 
 
+# A batch made on one device, then spread over the mesh (jax copies its slices to their
+# devices and assembles them), as MaxText's synthetic data is; and one whose program failed.
+SPREAD = proxy_scripts.PREAMBLE + """
+one = jax.device_put(np.float32(1.0), devices[0])
+make = jax.jit(lambda i: jnp.arange(256 * 64, dtype=jnp.float32).reshape(256, 64) * i)
+use = jax.jit(lambda a, b: (jnp.sum(a * jnp.arange(64.0)), jnp.sum(b[::3] * 2)))
+sums = []
+for i in range(3):
+    batch = make(one + i)
+    a = jax.device_put(batch, NamedSharding(mesh0, P("data")))
+    b = jax.device_put(batch, NamedSharding(mesh0, P()))
+    sums.append([float(v) for v in use(a, b)])
+error = None
+if PROXY:  # (a sort of 256 GiB: no fusing it away, no machine holds it)
+    bad = jax.jit(lambda i: jnp.sort(jnp.arange(1 << 36, dtype=jnp.float32) * i)[:8])(one)
+    try:
+        np.asarray(jax.device_put(bad, NamedSharding(mesh0, P("data"))))
+    except Exception as e:
+        error = str(e)
+print("RESULT", json.dumps({"sums": sums, "error": error}), flush=True)
+"""
+
+
+def test_a_batch_made_on_one_device_spreads_over_the_mesh_on_the_chips(proxy):
+    """A ``device_put`` of a one-device array onto a sharded or replicated mesh is
+    made on the chips (its copies to the other devices and their assembly): no byte
+    of the 64 KiB batches comes to the proxy, and the values are local JAX's. A batch
+    whose program failed raises its error where it is read, not a hang."""
+    before = proxy.stats()
+    got = _script(SPREAD, proxy)
+    fetched = proxy.stats()["fetched_bytes"] - before["fetched_bytes"]
+    want = _script(SPREAD)
+    assert got["sums"] == want["sums"] and got["sums"][2][0] > 0
+    assert fetched < 1024, fetched  # the six sums only (3 x 64 KiB batches before)
+    assert "Out of memory allocating 274877906944 bytes" in got["error"], got["error"]
+
+
 # Runs a module as ``python -m`` would, after the one line a pathwaysutils user adds.
 RUN_MODULE = ("import pathwaysutils, runpy, sys; pathwaysutils.initialize(); "
               "name = sys.argv[1]; sys.argv = [name]; "

@@ -84,7 +84,7 @@ class _FakeClient:
     """What a session asks of its ``Client``: only ``describe`` and ``close``."""
 
     closed = False
-    counters = {"put_bytes": 0, "fetched_bytes": 0}
+    counters = {"put_bytes": 0, "fetched_bytes": 0, "fetches": 0}
 
     def describe(self):
         return [{**d, "topology": "v6e-2x2", "chips": 4} for d in _described()]

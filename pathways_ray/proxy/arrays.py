@@ -249,13 +249,17 @@ class ArrayTable:
                 and first.memory == arr.memory):
             arr.remote, arr.host = first.remote, first.host  # taken apart, put back
             return arr
-        if placed.device is not None and parts[0].memory == arr.memory:
-            arr.remote, arr.host = parts[0].remote, parts[0].host
+        if placed.device is not None:
+            if parts[0].memory == arr.memory:
+                arr.remote, arr.host = parts[0].remote, parts[0].host
             if arr.remote is None and arr.host is None:
                 arr.host = self.to_host(parts[0])
             return arr
-        if placed.device is not None:
-            arr.host = self.to_host(parts[0])
+        if len(placed.slices) == 1 and all(p.remote is not None and p.single and p.memory ==
+                                           arr.memory and p.placed.slices == placed.slices
+                                           for p in parts):
+            from pathways_ray.proxy.programs import assemble_on_chips  # (it imports us)
+            arr.remote = assemble_on_chips(self, [p.remote for p in parts], blocks, placed, arr)
             return arr
         full = np.empty(shape, dtype)
         for index, part in zip(blocks, parts, strict=True):
@@ -329,23 +333,18 @@ class ArrayTable:
 
     def results(self, remotes: list[RemoteArray]) -> None:
         """Note one program's results: its small ones are read together."""
-        small = sorted((r for r in remotes if r.nbytes <= RIDE_BYTES), key=lambda r: r.nbytes)
         total, group = 0, []
-        for r in small:
-            total += r.nbytes
-            if total > RIDE_TOTAL_BYTES:
+        for r in sorted((r for r in remotes if r.nbytes <= RIDE_BYTES), key=lambda r: r.nbytes):
+            if (total := total + r.nbytes) > RIDE_TOTAL_BYTES:
                 break
             group.append(weakref.ref(r))
-        if len(group) > 1:
-            with self._fetching_lock:
-                for ref in group:
-                    self._fellows[ref()] = group
+        with self._fetching_lock:  # (a lone one has no fellows)
+            self._fellows.update((ref(), group) for ref in group if len(group) > 1)
 
     def _fetch(self, remote: RemoteArray, timeout_s: float | None) -> np.ndarray:
         """``remote``'s bytes, and with them its unread fellows' (one round trip)."""
         with self._fetching_lock:
-            rode = self._rode.get(remote)
-            if rode is not None:
+            if (rode := self._rode.get(remote)) is not None:
                 return rode
             group = self._fellows.pop(remote, ())
             fellows = [r for r in (ref() for ref in group)
@@ -397,8 +396,9 @@ class ArrayTable:
         placed = self.place(sharding, len(arr.shape))
         out = ProxyArray(arr.shape, arr.dtype, placed, sharding.device_ids, sharding.op,
                          memory=sharding.memory_kind)
-        if placed == arr.placed and arr.remote is not None and arr.memory == out.memory:
-            out.remote = arr.remote
+        if arr.remote is not None and arr.memory == out.memory and (placed == arr.placed or (
+                arr.single and placed.device is not None and placed.slices == arr.placed.slices)):
+            out.remote = arr.remote  # (a one-device array is on every chip of its slice)
         elif arr.remote is None or arr.parent is not None or placed.device is not None:
             data = self.to_host(arr)  # still here (or one device): from the proxy
             if placed.device is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -159,6 +160,38 @@ def prepare(table: ArrayTable, exe: Executable, timeout_s: float | None = None) 
                 "one device" if exe.single else f"{len(exe.hlo.ranks)} chips",
                 table.describe(exe.slices), len(signature.in_shardings),
                 len(signature.out_shardings), len(exe.hlo.out_shapes))
+
+
+# Per client, per (shape, dtype, block starts): the program that writes one-device
+# arrays into their blocks of one array (``assemble_on_chips``).
+_ASSEMBLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def assemble_on_chips(table: ArrayTable, parts: list, blocks: list, placed: Placed,
+                      arr: ProxyArray):
+    """``arr`` (sharded as ``placed``) made of one-device arrays already on the chips of
+    its slice (each on every chip there: ``Placed``): a program there writes each into
+    its block, and the chips reshard the result into ``arr``'s layout. Nothing comes
+    back here (jax copies a batch made on one device to the others this way)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pathways_ray.client.arrays import Layout
+
+    starts = tuple(tuple(s.start for s in block) for block in blocks)
+    key = (arr.shape, arr.dtype.name, starts)
+    mine = _ASSEMBLERS.setdefault(table.client, {})
+    if key not in mine:
+        def assemble(*pieces):
+            full = jnp.zeros(arr.shape, arr.dtype)
+            for start, piece in zip(starts, pieces, strict=True):
+                full = jax.lax.dynamic_update_slice(full, piece, start)
+            return full
+
+        mine[key] = table.client.jit(assemble)
+    full = mine[key](*parts)
+    return table.client.reshard(full, Layout(placed.mesh, placed.spec, arr.memory),
+                                slice=table.target(placed.slices))
 
 
 def execute(table: ArrayTable, exe: Executable, args: list[ProxyArray]) -> list[ProxyArray]:
