@@ -14,7 +14,7 @@ Arrays are immutable, so a host copy, once fetched, answers every later read. Ev
 move between slices is ``Client.reshard``: the chips copy the shards themselves.
 
 A program's small results ride along: one read fetches the others too (MaxText reads a
-step's dozen metrics, jax copies a batch's slices to their devices, one at a time).
+step's metrics one scalar at a time). One-device arrays become one array on the chips.
 """
 
 from __future__ import annotations
@@ -255,9 +255,9 @@ class ArrayTable:
             if arr.remote is None and arr.host is None:
                 arr.host = self.to_host(parts[0])
             return arr
-        if len(placed.slices) == 1 and all(p.remote is not None and p.single and p.memory ==
-                                           arr.memory and p.placed.slices == placed.slices
-                                           for p in parts):
+        if len(placed.slices) == 1 and arr.memory == "device" and all(
+                p.remote is not None and p.single and p.memory == arr.memory
+                and p.placed.slices == placed.slices for p in parts):
             from pathways_ray.proxy.programs import assemble_on_chips  # (it imports us)
             arr.remote = assemble_on_chips(self, [p.remote for p in parts], blocks, placed, arr)
             return arr
