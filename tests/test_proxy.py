@@ -221,6 +221,14 @@ for i in range(3):
     a = jax.device_put(batch, NamedSharding(mesh0, P("data")))
     b = jax.device_put(batch, NamedSharding(mesh0, P()))
     sums.append([float(v) for v in use(a, b)])
+# Parts of arrays over two meshes (one program cannot take both): by the proxy, as before.
+on = lambda a, d: next(s.data for s in a.addressable_shards if s.device == devices[d])
+r0 = jax.device_put(np.array([[1.0, 2.0]], np.float32), NamedSharding(mesh0, P()))
+r1 = jax.device_put(np.array([[3.0, 4.0]], np.float32),
+                    NamedSharding(Mesh(np.array(devices[:4]).reshape(2, 2), ("x", "y")), P()))
+mixed = jax.make_array_from_single_device_arrays(
+    (4, 2), NamedSharding(mesh0, P("data")), [on(r0, 0), on(r1, 1), on(r0, 2), on(r1, 3)])
+sums.append(np.asarray(mixed * 2).tolist())
 error = None
 if PROXY:  # (a sort of 256 GiB: no fusing it away, no machine holds it)
     bad = jax.jit(lambda i: jnp.sort(jnp.arange(1 << 36, dtype=jnp.float32) * i)[:8])(one)
@@ -242,7 +250,8 @@ def test_a_batch_made_on_one_device_spreads_over_the_mesh_on_the_chips(proxy):
     fetched = proxy.stats()["fetched_bytes"] - before["fetched_bytes"]
     want = _script(SPREAD)
     assert got["sums"] == want["sums"] and got["sums"][2][0] > 0
-    assert fetched < 1024, fetched  # the six sums only (3 x 64 KiB batches before)
+    assert got["sums"][3] == [[2, 4], [6, 8], [2, 4], [6, 8]]
+    assert fetched < 1024, fetched  # the sums only (3 x 64 KiB batches before)
     assert "Out of memory allocating 274877906944 bytes" in got["error"], got["error"]
 
 

@@ -257,7 +257,8 @@ class ArrayTable:
             return arr
         if len(placed.slices) == 1 and arr.memory == "device" and all(
                 p.remote is not None and p.single and p.memory == arr.memory
-                and p.placed.slices == placed.slices for p in parts):
+                and p.placed.slices == placed.slices for p in parts) and len(
+                {p.remote.mesh for p in parts}) == 1:  # (one program takes them all)
             from pathways_ray.proxy.programs import assemble_on_chips  # (it imports us)
             arr.remote = assemble_on_chips(self, [p.remote for p in parts], blocks, placed, arr)
             return arr
