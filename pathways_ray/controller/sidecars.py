@@ -56,8 +56,10 @@ class SidecarCalls:
                         first = min(r for r, piece in blocks.chip_piece.items() if piece == k)
                         if first not in mine:
                             mine.append(first)
-            out.append(Hold(token, tuple(c[0] for c in call.inputs),
-                            tuple(sorted(r for mine in holders for r in mine))))
+            # (ranks within the slice; ``start``: where it begins in its JAX world)
+            out.append(placed(Hold(token, tuple(c[0] for c in call.inputs),
+                                   tuple(sorted(r for mine in holders for r in mine))),
+                              p.start))
         out_blocks = [host_blocks(put.shape, put.mesh, put.spec, host_ranks)
                       for put in call.outputs]
         pieces: list[list[list]] = [[[] for _ in sl.workers] for _ in call.outputs]
