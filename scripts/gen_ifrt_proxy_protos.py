@@ -39,6 +39,7 @@ WANTED = (
     "xla/python/ifrt/sharding_serdes.proto",
     "xla/python/pjrt_ifrt/xla_sharding.proto",
     "xla/python/pjrt_ifrt/xla_compiler.proto",
+    "xla/python/ifrt/custom_call_program.proto",
 )
 # FileDescriptorProto's top-level fields: number -> wire type (2: bytes, 0: varint).
 _FIELDS = {1: 2, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2, 8: 2, 9: 2, 10: 0, 11: 0, 12: 2, 14: 0}
