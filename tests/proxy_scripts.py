@@ -66,6 +66,12 @@ import time
 # Arrays in the hosts' memory of each slice: slice 0's go with its host, slice 1's stay.
 x_host = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
 z_host = jax.device_put(z, z.sharding.with_memory_kind("pinned_host"))
+from jax.experimental import colocated_python as cp
+plus_one = cp.colocated_python(lambda a: a + 1)
+cpu_ones = [jax.device_put(np.ones(4, np.float32), NamedSharding(
+    Mesh(np.array(cp.colocated_cpu_devices(m.devices.flat)), ("x",)), P("x")))
+    for m in (mesh0, mesh1)]
+np.asarray(plus_one(cpu_ones[0]))  # (slice 0's sidecar is up when its host goes)
 print("SLICE0", devices[0].slice_name, flush=True)
 error = None
 for i in range(100000):
@@ -92,6 +98,12 @@ try:  # a mesh mixing the lost slice with the live one
     np.asarray(jax.device_put(z, NamedSharding(both, P("data"))))
 except jax.errors.JaxRuntimeError as e:
     out["mixed"] = str(e)
+try:
+    np.asarray(plus_one(cpu_ones[0]))
+    out["colocated_lost"] = "no error"
+except jax.errors.JaxRuntimeError as e:
+    out["colocated_lost"] = str(e)
+out["colocated_other"] = np.asarray(plus_one(cpu_ones[1])).tolist()
 z = other(z)
 out["other"] = np.asarray(z).tolist()
 out["active"] = sorted(elastic.get_active_slice_indices())
@@ -528,4 +540,58 @@ print("RESULT", json.dumps({
     "w": round(float(np.asarray(w).sum()), 2), "g": round(float(np.abs(np.asarray(g)).sum()), 3),
     "far": float(np.asarray(far).sum()), "far_on": sorted(d.id for d in far.sharding.device_set),
     "one": float(np.asarray(one).sum())}), flush=True)
+"""
+
+# jax.experimental.colocated_python: functions and an object on the TPU host of the
+# devices given (each result says which host: its TPU_NAME); a function over both
+# slices' hosts and one that raises fail by name, and the session goes on.
+COLOCATED = PREAMBLE + """
+from jax.experimental import colocated_python as cp
+cpus = [cp.colocated_cpu_devices(mesh0.devices.flat), cp.colocated_cpu_devices(mesh1.devices.flat)]
+where = [NamedSharding(Mesh(np.array(c), ("x",)), P("x")) for c in cpus]
+
+@cp.colocated_python
+def scale(x, scales):
+    import os
+    name = os.environ.get("TPU_NAME", "local").encode().ljust(32)
+    host = jax.device_put(np.frombuffer(name, np.uint8), NamedSharding(x.sharding.mesh, P()))
+    return {"z": x * 2 + jnp.sum(scales["a"]), "host": host}
+
+@cp.colocated_python_class
+class Counter:
+    def __init__(self):
+        self.n = 0
+    def add(self, x):
+        self.n += 1
+        return x + self.n
+
+@cp.colocated_python
+def boom(x):
+    raise ValueError("this shard is corrupt")
+
+out, errors = {}, {}
+for i in (0, 1):
+    x = jax.device_put(np.arange(16, dtype=np.float32) * (i + 1), where[i])
+    s = {"a": jax.device_put(np.ones(8, np.float32), where[i])}
+    for call in range(2):  # the first call finds the output specs; the second has them
+        r = scale(x, s)
+        out[f"z{i}_{call}"] = np.asarray(r["z"]).tolist()
+    out[f"host{i}"] = bytes(np.asarray(r["host"])).decode().strip()
+    out[f"on{i}"] = sorted(d.id for d in r["z"].sharding.device_set)
+    on_chips = jax.device_put(r["z"], NamedSharding(mesh0 if i == 0 else mesh1, P("data")))
+    out[f"jit{i}"] = float(jax.jit(jnp.sum)(on_chips))
+c = Counter()
+x = jax.device_put(np.zeros(4, np.float32), where[1])
+out["counter"] = [np.asarray(c.add(x)).tolist() for _ in range(3)]
+both = NamedSharding(Mesh(np.array(cpus[0] + cpus[1]), ("x",)), P("x"))
+for name, run in (("both", lambda: scale(jax.device_put(np.ones(16, np.float32), both),
+                                         {"a": jax.device_put(np.ones(8, np.float32), both)})),
+                  ("boom", lambda: np.asarray(boom(jax.device_put(np.ones(4), where[0]))))):
+    try:
+        run()
+        errors[name] = "no error"
+    except Exception as e:
+        errors[name] = str(e)
+out["after"] = np.asarray(scale(x, {"a": x})["z"]).tolist()
+print("RESULT", json.dumps({"out": out, "errors": errors}), flush=True)
 """

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pathways_ray.proxy import versions
+from pathways_ray.proxy.plugins.colocated import COLOCATED_ENV
 from tests import proxy_scripts
 from tests.waiting import wait_until
 
@@ -48,6 +49,7 @@ def proxy(tmp_path_factory):
             log_to_driver=False) as fleet:
         # The chips may write and read under the tests' own directories (and buckets).
         env.setenv(STORAGE_ENV, f"gs://,{tmp_path_factory.getbasetemp()}")
+        env.setenv(COLOCATED_ENV, "1")  # (pathways-ray proxy --colocated-python)
         server = ProxyServer(["v6e-2x2", "v6e-2x2"], warm=True)
         server.fleet = fleet
         server.start()
@@ -359,7 +361,9 @@ def test_flax_toy_examples_of_ten_thousand_steps_run_unmodified_with_local_losse
                                [float(ln.rsplit(":", 1)[1]) for ln in want[:-1]], rtol=1e-5)
 
 
-def test_a_host_callback_is_refused_by_name_and_the_session_goes_on(proxy):
+def test_a_host_callback_is_refused_by_name_and_the_session_goes_on(proxy, monkeypatch):
+    """A host callback, and colocated Python on a server not started to run it."""
+    monkeypatch.delenv(COLOCATED_ENV)
     out = subprocess.run([sys.executable, "-c", proxy_scripts.CALLBACK], capture_output=True,
                          text=True, timeout=240, env=_env(proxy))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -370,8 +374,29 @@ def test_a_host_callback_is_refused_by_name_and_the_session_goes_on(proxy):
     colocated = json.loads(next(ln for ln in out.stdout.splitlines()
                                 if ln.startswith("COLOCATED")).removeprefix("COLOCATED"))
     assert colocated["type"] == "JaxRuntimeError", colocated
-    assert "UNIMPLEMENTED" in colocated["error"] and "colocated_python" in colocated["error"]
+    assert "PERMISSION_DENIED" in colocated["error"], colocated
+    assert "--colocated-python" in colocated["error"], colocated
     assert any(ln.startswith("OK") for ln in out.stdout.splitlines())
+
+
+def test_colocated_python_runs_on_the_host_of_its_devices_with_local_values(proxy):
+    """``jax.experimental.colocated_python`` (``--colocated-python``): a function on
+    each slice's colocated CPU devices runs in that slice's host sidecar (its TPU_NAME
+    comes back) with the values of local JAX, first call and after; a class keeps its
+    state on the host; its result moves to the chips and into a jit. A function over two
+    hosts' devices and one that raises fail by name; the session goes on."""
+    got = _script(proxy_scripts.COLOCATED, proxy)
+    want = _script(proxy_scripts.COLOCATED)
+    hosts = {k: got["out"].pop(k) for k in ("host0", "host1", "on0", "on1")}
+    for k in ("host0", "host1", "on0", "on1"):
+        want["out"].pop(k)
+    assert got["out"] == want["out"]
+    assert got["out"]["counter"] == [[1.0] * 4, [2.0] * 4, [3.0] * 4]  # state on the host
+    assert hosts == {"host0": "v6e-2x2-0", "host1": "v6e-2x2-1", "on0": [0, 1, 2, 3],
+                     "on1": [4, 5, 6, 7]}
+    assert "UNIMPLEMENTED" in got["errors"]["both"] and "2 TPU hosts" in got["errors"]["both"]
+    assert want["errors"]["boom"] == "this shard is corrupt"
+    assert "ValueError: this shard is corrupt" in got["errors"]["boom"], got["errors"]
 
 
 def test_orbax_with_pathways_persistence_writes_and_reads_on_the_chips(proxy, tmp_path):
@@ -572,6 +597,9 @@ def test_a_killed_host_is_data_loss_naming_the_slice_and_the_other_slice_answers
     assert "DATA_LOSS" in got["read_host_lost"]  # its host memory too; slice 1's is kept
     assert got["z_host"] == float(np.arange(32).sum())
     assert "DATA_LOSS" in got["mixed"] and victim in got["mixed"]  # a mesh mixing it too
+    # colocated Python on the lost host: by name, not a hang; slice 1's host still runs it
+    assert "DATA_LOSS" in got["colocated_lost"] and victim in got["colocated_lost"], got
+    assert got["colocated_other"] == [2.0] * 4
     assert len(got["other"]) == 32  # slice 1 keeps answering
     assert got["active"] == [1]
     proxy.fleet.restore_host(victim, 0)

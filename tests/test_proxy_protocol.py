@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pathways_ray.clusters.topology import Topology
@@ -145,4 +146,54 @@ def test_a_program_for_more_devices_than_the_session_has_is_refused_by_name():
     assert resp.response_metadata.status.code == INVALID_ARGUMENT
     assert ("the program is for device 8; this session has 8 devices (0..7)"
             in resp.response_metadata.status.message)
+    session.close()
+
+
+def _colocated(session: Session, device_ids, kind="jax_colocated_python_v0.0.1", op_id=9):
+    """Compile a colocated Python program over ``device_ids`` (a float32[8] in and out)."""
+    from pathways_ray.proxy.protos import xla_python_ifrt_array_spec_pb2 as spec_pb2
+    from pathways_ray.proxy.protos import xla_python_ifrt_custom_call_program_pb2 as cc_pb2
+    from pathways_ray.proxy.types import dtype_proto, hlo_sharding_proto
+
+    spec = spec_pb2.ArraySpecProto(dtype=dtype_proto(np.float32),
+                                   sharding=hlo_sharding_proto(device_ids, None))
+    spec.shape.dims.append(8)
+    program = cc_pb2.CustomCallProgramProto(
+        type=kind, name="scale", serialized_program_text=b"(never unpickled by the proxy)",
+        input_specs=[spec], output_specs=[spec])
+    program.devices.device_ids.extend(device_ids)
+    return session.handle(ifrt_pb2.IfrtRequest(
+        request_metadata=ifrt_pb2.RequestMetadata(op_id=op_id),
+        compile_request={"program": {"type_name": "xla::ifrt::CustomCallProgram",
+                                     "data": program.SerializeToString()}}))
+
+
+def test_colocated_python_is_compiled_for_one_hosts_devices_only_where_the_server_allows(
+        monkeypatch):
+    """Refused by a server not started with --colocated-python (it runs the client's
+    pickles on the hosts); then refused by name for another custom call or devices of
+    two hosts; compiled for one host's devices, whose chips say they are their own
+    colocated CPU devices (``colocation_id``)."""
+    from pathways_ray.proxy.errors import PERMISSION_DENIED
+    from pathways_ray.proxy.plugins.colocated import COLOCATED_ENV
+
+    client = _FakeClient()
+    session = Session(4, 25, lambda: client)
+    init = session.handle(ifrt_pb2.IfrtRequest(init_request={}))
+    assert [d.attributes.attributes["colocation_id"].int64_value
+            for d in init.init_response.all_devices] == list(range(8))
+    monkeypatch.delenv(COLOCATED_ENV, raising=False)
+    refused = _colocated(session, [4, 5, 6, 7]).response_metadata.status
+    assert refused.code == PERMISSION_DENIED and "--colocated-python" in refused.message
+    monkeypatch.setenv(COLOCATED_ENV, "1")
+    other = _colocated(session, [4, 5, 6, 7], kind="my_custom_call").response_metadata.status
+    assert other.code == UNIMPLEMENTED and "'my_custom_call'" in other.message
+    both = _colocated(session, [0, 1, 2, 3, 4, 5, 6, 7]).response_metadata.status
+    assert both.code == UNIMPLEMENTED and "2 TPU hosts (s0/0, s1/0)" in both.message
+    outside = _colocated(session, [9]).response_metadata.status
+    assert outside.code == INVALID_ARGUMENT and "device 9" in outside.message
+    ok = _colocated(session, [4, 5, 6, 7])
+    assert ok.response_metadata.status.code == 0, ok.response_metadata.status.message
+    assert list(ok.compile_response.device_ids) == [4, 5, 6, 7]
+    assert ok.compile_response.name == "scale"
     session.close()

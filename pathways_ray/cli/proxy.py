@@ -57,6 +57,10 @@ def register(sub) -> dict:
                    "ENABLE_PATHWAYS_PERSISTENCE=1, profiles): comma-separated directories "
                    "and URL prefixes. Default: $PATHWAYS_RAY_PROXY_STORAGE, else gs:// (any "
                    "bucket the hosts can reach; no local path)")
+    p.add_argument("--colocated-python", action="store_true",
+                   help="run jax.experimental.colocated_python functions: the clients' "
+                   "pickled Python, in the sidecar of the TPU host of their devices, as "
+                   "this server's user (default: refused; $PATHWAYS_RAY_PROXY_COLOCATED_PYTHON=1)")
     cluster_flags(p)
     return {"proxy": cmd_proxy}
 
@@ -73,6 +77,10 @@ def cmd_proxy(args) -> int:
         slices = [shape for shape, n in args.slices for _ in range(n)]
     if args.storage is not None:
         os.environ[STORAGE_ENV] = args.storage
+    if args.colocated_python:
+        from pathways_ray.proxy.plugins.colocated import COLOCATED_ENV
+
+        os.environ[COLOCATED_ENV] = "1"
     token = args.token or os.environ.get("PATHWAYS_RAY_PROXY_TOKEN") or None
     if token is None and args.host not in LOOPBACK:
         token = "auto"

@@ -33,16 +33,17 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pathways_ray.chips.sidecar_host import Host, HostArray, _Arg
-from pathways_ray.client.arrays import RemoteArray, spec_of
+from pathways_ray.client.arrays import Layout, RemoteArray, spec_of
 from pathways_ray.transport.commands import HostCall, Put
 
 if TYPE_CHECKING:
     from pathways_ray.client.client import Client
 
-__all__ = ["Host", "HostArray", "HostResults", "SidecarClass", "SidecarFunction",
+__all__ = ["ArrayOut", "Host", "HostArray", "HostResults", "SidecarClass", "SidecarFunction",
            "SidecarObject"]
 
 _objects = itertools.count(1)
@@ -146,6 +147,16 @@ def make(client: Client, target, slice_name: str):
     raise TypeError(f"client.sidecar({target!r}): pass a function or a class")
 
 
+@dataclass(frozen=True)
+class ArrayOut:
+    """An output in pathways-ray's own terms, where ``returning`` takes a
+    ``jax.ShapeDtypeStruct``: a ``Layout`` over the slice's chips (the IFRT proxy's)."""
+
+    shape: tuple[int, ...]
+    dtype: object
+    sharding: Layout
+
+
 def _out_leaves(out, chips: int, name: str) -> list:
     """The leaves of ``out``, checked: ShapeDtypeStructs with a sharding over ``chips``."""
     import jax
@@ -155,7 +166,7 @@ def _out_leaves(out, chips: int, name: str) -> list:
         raise ValueError(f"returning(out={out!r}) for sidecar {name}: give a "
                          f"jax.ShapeDtypeStruct or a pytree of them")
     for leaf in leaves:
-        if not isinstance(leaf, jax.ShapeDtypeStruct) or leaf.sharding is None:
+        if not isinstance(leaf, (jax.ShapeDtypeStruct, ArrayOut)) or leaf.sharding is None:
             raise ValueError(f"returning(out=...) for sidecar {name}: {leaf!r} must be a "
                              f"jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding("
                              f"client.mesh(...), PartitionSpec(...)))")

@@ -110,7 +110,9 @@ def init_response(session_id: int, devices: Sequence[ProxyDevice]) -> ifrt_pb2.I
             debug_string=d.describe(), to_string=d.describe(),
             attributes=_attributes({"slice_index": d.slice_index, "coords": list(d.coords),
                                     "core_on_chip": 0, "worker_id": d.worker_id,
-                                    "slice_name": d.slice_name})))
+                                    "slice_name": d.slice_name,
+                                    # (each chip is its own colocated CPU device here)
+                                    "colocation_id": d.id})))
         for k, kind in enumerate(MEMORY_KINDS):
             resp.memories.append(ifrt_pb2.InitResponse.Memory(
                 id=k * len(devices) + d.id, memory_space_kind=kind, kind_id=k,

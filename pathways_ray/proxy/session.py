@@ -345,7 +345,14 @@ class Session(ProgramRequests):
             self._new(h, a) for h, a in _pairs(handles, out, "result handles and arrays"))
 
     def _copy_to_host_buffer(self, req, response, arr: ProxyArray) -> None:
-        data = np.ascontiguousarray(self.arrays.to_host(arr, self._timeout_s)).tobytes()
+        value = self.arrays.to_host(arr, self._timeout_s)
+        if isinstance(value.dtype, np.dtypes.StringDType):  # as IFRT's proxy sends strings
+            from pathways_ray.proxy.protos import xla_python_ifrt_proxy_common_array_util_pb2
+
+            data = xla_python_ifrt_proxy_common_array_util_pb2.StringArrayContents(
+                strings=[str(s).encode() for s in value.ravel()]).SerializeToString()
+        else:
+            data = np.ascontiguousarray(value).tobytes()
         try:
             self.host_buffers.store(req.host_buffer_handle, data)
         except ValueError as e:

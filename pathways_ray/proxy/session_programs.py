@@ -19,6 +19,7 @@ from pathways_ray.proxy.errors import (
     Unimplemented,
 )
 from pathways_ray.proxy.host_buffers import MAX_ELEMENTS
+from pathways_ray.proxy.plugins.colocated import ColocatedExecutable, compile_colocated
 from pathways_ray.proxy.plugins.run import PluginExecutable, compile_plugin
 from pathways_ray.proxy.types import dtype_of
 
@@ -47,11 +48,9 @@ class ProgramRequests:
             exe = programs.compile_program(self.arrays, self.parser, req.program.data,
                                            req.compile_options.data, self._timeout_s)
             name, fingerprint = exe.program.fun_name, exe.program.fingerprint
-        elif kind == "xla::ifrt::CustomCallProgram":
-            raise Unimplemented(
-                "custom-call programs (jax.experimental.colocated_python sends its functions "
-                "as one, cloudpickled) are not run by the pathways-ray proxy: run host code "
-                "beside the chips with pathways-ray's sidecars (client.sidecar)")
+        elif kind == "xla::ifrt::CustomCallProgram":  # jax.experimental.colocated_python
+            exe = compile_colocated(self.arrays, req.program.data)
+            name, fingerprint = exe.name, f"colocated-{next(self._handles)}"
         else:
             raise Unimplemented(f"IFRT programs of type {kind!r} are not served by the "
                                 f"pathways-ray proxy (served: XlaProgram, PluginProgram)")
@@ -68,7 +67,8 @@ class ProgramRequests:
         out.fingerprint_value = fingerprint.encode()
         out.ready_future_handle = ready
 
-    def _executable(self, handle: int) -> programs.Executable | PluginExecutable:
+    def _executable(self, handle: int
+                    ) -> programs.Executable | PluginExecutable | ColocatedExecutable:
         if handle not in self.executables:
             raise NotFound(f"unknown loaded executable handle {handle}")
         return self.executables[handle]
@@ -78,12 +78,12 @@ class ProgramRequests:
 
         exe = self._executable(req.loaded_executable_handle)
         out = response.loaded_executable_metadata_response
-        if isinstance(exe, PluginExecutable):  # no XLA program: nothing of one to say
+        if isinstance(exe, (PluginExecutable, ColocatedExecutable)):  # no XLA program
             for status in (out.parameter_layouts_error, out.output_layouts_error,
                            out.donated_input_indices_error, out.compiled_memory_stats_error,
                            out.output_memory_kinds.status):
                 status.code = UNIMPLEMENTED
-                status.message = f"a plugin program ({exe.name}) has no XLA metadata"
+                status.message = f"{exe.name} is not an XLA program: it has no XLA metadata"
             return
         if exe.signature is not None:
             for ops, into in ((exe.signature.in_shardings, out.parameter_shardings),
@@ -116,7 +116,7 @@ class ProgramRequests:
         hold ``DATA_LOSS`` (as its status does), raised where the client reads them."""
         exe = self._executable(req.loaded_executable_handle)
         args = [self.arrays.entry(h) for h in req.args_handles]
-        if isinstance(exe, PluginExecutable):
+        if isinstance(exe, (PluginExecutable, ColocatedExecutable)):
             return self._execute_plugin(exe, req, args, response)
         n_out = len(exe.hlo.out_shapes)
         if req.result_array_handle and len(req.result_array_handle) != n_out:
@@ -157,7 +157,8 @@ class ProgramRequests:
                       else exe.signature.out_shardings[i])
                 o.sharding.CopyFrom(hlo_sharding_proto(exe.device_ids, op, kind))
 
-    def _execute_plugin(self, exe: PluginExecutable, req, args, response) -> None:
+    def _execute_plugin(self, exe: PluginExecutable | ColocatedExecutable, req, args,
+                        response) -> None:
         failed = next((a for a in args if isinstance(a, BaseException)), None)
         if failed is not None:
             raise failed
@@ -170,9 +171,10 @@ class ProgramRequests:
             self.arrays.set(h, a)
         out = response.loaded_executable_execute_response
         out.SetInParent()
-        status = req.result_status_handle or next(self._handles)
-        self._futures[status] = wait
-        out.status_handle = status
+        if req.execute_options.fill_status:  # (else jaxlib's client wants none)
+            status = req.result_status_handle or next(self._handles)
+            self._futures[status] = wait
+            out.status_handle = status
         if not req.result_array_handle:
             from pathways_ray.proxy.types import dtype_proto, hlo_sharding_proto
 
@@ -191,7 +193,7 @@ class ProgramRequests:
     def _loaded_executable_destruct(self, req, response) -> None:
         exe = self._executable(req.loaded_executable_handle)
         del self.executables[req.loaded_executable_handle]
-        if isinstance(exe, PluginExecutable):
+        if isinstance(exe, (PluginExecutable, ColocatedExecutable)):
             exe.close()
         response.loaded_executable_destruct_response.SetInParent()
 

@@ -56,6 +56,8 @@ def dtype_of(proto) -> np.dtype:
 
 
 def dtype_proto(dtype) -> dtype_pb2.DTypeProto:
+    if isinstance(dtype, np.dtypes.StringDType):  # (colocated Python's output specs)
+        return dtype_pb2.DTypeProto(kind=dtype_pb2.DTypeProto.Kind.Value("KIND_STRING"))
     return dtype_pb2.DTypeProto(kind=dtype_pb2.DTypeProto.Kind.Value(
         "KIND_" + _KIND[np.dtype(dtype).name]))
 
