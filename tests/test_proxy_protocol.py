@@ -58,7 +58,8 @@ def test_devices_run_over_the_slices_with_their_slice_index_and_coords():
     assert [d.rank for d in devices[:4]] == [0, 1, 2, 3]  # rank order, not worker order
     assert [d.coords for d in devices[:4]] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
     assert {d.device_kind for d in devices} == {"cpu"}
-    assert {d.device_kind for d in plan_devices(_described("tpu"))} == {"TPU v6 lite"}
+    tpu = plan_devices(_described("tpu"))  # the chips, then each chip's CPU device
+    assert [d.device_kind for d in tpu] == ["TPU v6 lite"] * 8 + ["cpu"] * 8
     with pytest.raises(ValueError, match="platform='gpu' of slice s0"):
         plan_devices(_described("gpu"))
 
@@ -197,3 +198,51 @@ def test_colocated_python_is_compiled_for_one_hosts_devices_only_where_the_serve
     assert list(ok.compile_response.device_ids) == [4, 5, 6, 7]
     assert ok.compile_response.name == "scale"
     session.close()
+
+
+TPU_DEVICES = """
+import json, jax, pathwaysutils
+pathwaysutils.initialize()
+from jax.experimental import colocated_python as cp
+devices = jax.devices()
+everything = devices[0].client._get_all_devices()
+cpus = cp.colocated_cpu_devices(devices[4:8])
+print("RESULT", json.dumps({
+    "devices": [[d.id, d.device_kind] for d in devices],
+    "all": len(everything), "cpus": [[d.id, d.device_kind] for d in cpus],
+    "memories": sorted(m.kind for m in cpus[0].addressable_memories())}), flush=True)
+"""
+
+
+def test_on_tpu_slices_each_chip_has_a_cpu_device_that_colocated_python_finds():
+    """jaxlib's own client against a session of two TPU slices (a stand-in client:
+    nothing here reaches a chip): jax.devices() is the 8 chips, and
+    colocated_cpu_devices of slice 1's chips is their own CPU devices, ids 12..15."""
+    import json
+    import os
+
+    from pathways_ray.proxy.server import ProxyServer
+
+    class _TpuClient(_FakeClient):
+        def describe(self):
+            return [{**d, "topology": "v6e-2x2", "chips": 4} for d in _described("tpu")]
+
+    devices = plan_devices(_described("tpu"))
+    assert [(d.id, d.platform, d.colocation_id) for d in devices[8:10]] == [
+        (8, "cpu", 0), (9, "cpu", 1)]
+    resp = init_response(1, devices)
+    assert list(resp.primary_device_ids) == list(range(8))
+    assert list(resp.addressable_device_ids) == list(range(16))
+    with ProxyServer([]) as server:
+        server.clients._connect = lambda **kw: _TpuClient()
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("RAY_", "XLA_FLAGS", "JAX_"))}
+        out = subprocess.run([sys.executable, "-c", TPU_DEVICES], capture_output=True,
+                             text=True, timeout=120, env={**env, **server.exports})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(next(ln for ln in out.stdout.splitlines()
+                          if ln.startswith("RESULT")).removeprefix("RESULT"))
+    assert got["devices"] == [[i, "TPU v6 lite"] for i in range(8)]
+    assert got["all"] == 16
+    assert got["cpus"] == [[i, "cpu"] for i in range(12, 16)]
+    assert got["memories"] == ["device", "pinned_host", "unpinned_host"]

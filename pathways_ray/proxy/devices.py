@@ -9,12 +9,18 @@ TPU worker (``worker_id``, the host within the slice). Device ids run over the
 slices in order, chip after chip, so ``jax.devices()[4 * k: 4 * k + 4]`` is slice
 ``k`` of 2x2 slices. On TPU slices the platform is "tpu"; on the emulated fleet it
 is the chips' own, "cpu", so the client lowers programs for what will run them.
+
+Every device has a ``colocation_id`` (``jax.experimental.colocated_python`` pairs
+devices with the CPU devices of their host by it). On the emulated fleet each chip
+is a CPU device and its own; on TPU slices each chip gets a CPU device beside it
+(ids after the chips', not in ``jax.devices()``), whose arrays live in that chip's
+host memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pathways_ray.client.arrays import MEMORY_KINDS
 from pathways_ray.proxy.protos import xla_python_ifrt_attribute_map_pb2 as attribute_map_pb2
@@ -39,8 +45,16 @@ class ProxyDevice:
     coords: tuple[int, ...]
     platform: str
     device_kind: str
+    colocated: int | None = None  # a TPU chip's CPU device: the chip's id
+
+    @property
+    def colocation_id(self) -> int:
+        return self.id if self.colocated is None else self.colocated
 
     def describe(self) -> str:
+        if self.colocated is not None:
+            return (f"cpu {self.id} (host of TPU device {self.colocated}: slice "
+                    f"{self.slice_index} {self.slice_name}, host {self.worker_id})")
         return (f"{self.device_kind} {self.id} (slice {self.slice_index} {self.slice_name}, "
                 f"host {self.worker_id}, coords {list(self.coords)})")
 
@@ -71,6 +85,10 @@ def plan_devices(slices: Sequence[dict]) -> list[ProxyDevice]:
                 id=len(devices), slice_index=index, slice_name=s["name"], rank=rank,
                 worker_id=worker_id, coords=_coords(rank, topo.shape), platform=platform,
                 device_kind=kind))
+    chips = [d for d in devices if d.platform == "tpu"]
+    for d in chips:  # each TPU chip's colocated CPU device (colocated_cpu_devices)
+        devices.append(replace(d, id=len(devices), platform="cpu", device_kind="cpu",
+                               colocated=d.id))
     return devices
 
 
@@ -111,13 +129,13 @@ def init_response(session_id: int, devices: Sequence[ProxyDevice]) -> ifrt_pb2.I
             attributes=_attributes({"slice_index": d.slice_index, "coords": list(d.coords),
                                     "core_on_chip": 0, "worker_id": d.worker_id,
                                     "slice_name": d.slice_name,
-                                    # (each chip is its own colocated CPU device here)
-                                    "colocation_id": d.id})))
+                                    "colocation_id": d.colocation_id})))
         for k, kind in enumerate(MEMORY_KINDS):
             resp.memories.append(ifrt_pb2.InitResponse.Memory(
                 id=k * len(devices) + d.id, memory_space_kind=kind, kind_id=k,
                 device_ids=[d.id], debug_string=f"{kind} of device {d.id}",
                 to_string=f"{kind} of device {d.id}"))
         resp.addressable_device_ids.append(d.id)
-        resp.primary_device_ids.append(d.id)
+        if d.colocated is None:  # (a chip's CPU device is not one of jax.devices())
+            resp.primary_device_ids.append(d.id)
     return resp
