@@ -396,7 +396,8 @@ def test_colocated_python_runs_on_the_host_of_its_devices_with_local_values(prox
                      "on1": [4, 5, 6, 7]}
     assert "UNIMPLEMENTED" in got["errors"]["both"] and "2 TPU hosts" in got["errors"]["both"]
     assert want["errors"]["boom"] == "this shard is corrupt"
-    assert "ValueError: this shard is corrupt" in got["errors"]["boom"], got["errors"]
+    assert ("colocated_python(boom) on host v6e-2x2-0/0 failed: ValueError: this shard is "
+            "corrupt") in got["errors"]["boom"], got["errors"]
 
 
 def test_orbax_with_pathways_persistence_writes_and_reads_on_the_chips(proxy, tmp_path):

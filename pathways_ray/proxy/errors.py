@@ -99,7 +99,8 @@ def remote_message(e: RemoteError) -> str:
             start = i + 1
     while start < len(lines) and (lines[start].startswith((" ", "\t")) or not lines[start]):
         start += 1
-    return f"{e.command} failed on the chips: " + "\n".join(lines[start:]).strip()
+    where = "" if e.command.startswith("sidecar ") else " on the chips"  # (names its host)
+    return f"{e.command} failed{where}: " + "\n".join(lines[start:]).strip()
 
 
 def status_of(e: BaseException, where: str = "") -> tuple[int, str]:

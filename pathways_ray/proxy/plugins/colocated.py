@@ -85,6 +85,9 @@ class ColocatedExecutable:
             from pathways_ray.proxy.plugins.colocated_host import run_on_host
 
             self._run = client.sidecar(run_on_host, slice=table.name(slices))
+            user = self.name.removesuffix("_output_specs_and_push_result").removesuffix(
+                "_pop_result")  # (JAX's names for a first call's two programs)
+            self._run.name = f"colocated_python({user})"  # what its errors say
         call = (self.program, self.device_ids, self.ranks, *remotes)
         strings = [o.dtype == np.dtypes.StringDType() for o in self.outputs]
         if self.outputs and all(strings):  # JAX's output specs: small, read at once
