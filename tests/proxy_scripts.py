@@ -560,10 +560,14 @@ def scale(x, scales):
 @cp.colocated_python_class
 class Counter:
     def __init__(self):
-        self.n = 0
+        self.seen = []
     def add(self, x):
-        self.n += 1
-        return x + self.n
+        i = int(np.asarray(x)[0])  # the call's place in the order made
+        if i == 1:
+            import time
+            time.sleep(1.0)  # (calls run at once would overtake this one)
+        self.seen.append(i)
+        return x * 0 + len(self.seen)
 
 @cp.colocated_python
 def boom(x):
@@ -582,7 +586,8 @@ for i in (0, 1):
     out[f"jit{i}"] = float(jax.jit(jnp.sum)(on_chips))
 c = Counter()
 x = jax.device_put(np.zeros(4, np.float32), where[1])
-out["counter"] = [np.asarray(c.add(x)).tolist() for _ in range(3)]
+adds = [c.add(x + i) for i in range(5)]  # issued without a read between: run in order
+out["counter"] = [np.asarray(a).tolist() for a in adds]
 both = NamedSharding(Mesh(np.array(cpus[0] + cpus[1]), ("x",)), P("x"))
 for name, run in (("both", lambda: scale(jax.device_put(np.ones(16, np.float32), both),
                                          {"a": jax.device_put(np.ones(8, np.float32), both)})),

@@ -21,8 +21,10 @@ host (a v6e 2x2 slice is one); devices of several hosts are refused by name.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -65,7 +67,6 @@ class ColocatedExecutable:
     slice_index: int
     inputs: tuple[Spec, ...]
     outputs: tuple[Spec, ...]
-    _run: object | None = field(default=None, repr=False)  # the sidecar function
 
     def execute(self, table: ArrayTable, args: list[ProxyArray]
                 ) -> tuple[list[ProxyArray], Callable[[], None]]:
@@ -81,17 +82,11 @@ class ColocatedExecutable:
                                       f"{spec.dtype}{list(spec.shape)}")
         remotes = [table.on_chips(a, slices) for a in args]
         client = table.client
-        if self._run is None:
-            from pathways_ray.proxy.plugins.colocated_host import run_on_host
-
-            self._run = client.sidecar(run_on_host, slice=table.name(slices))
-            user = self.name.removesuffix("_output_specs_and_push_result").removesuffix(
-                "_pop_result")  # (JAX's names for a first call's two programs)
-            self._run.name = f"colocated_python({user})"  # what its errors say
+        run = _on_host(table, table.name(slices), self.name)
         call = (self.program, self.device_ids, self.ranks, *remotes)
         strings = [o.dtype == np.dtypes.StringDType() for o in self.outputs]
         if self.outputs and all(strings):  # JAX's output specs: small, read at once
-            got = self._run(*call).result()
+            got = run(*call).result()
             outs = [ProxyArray(o.shape, o.dtype, table.place(o.sharding, len(o.shape)),
                                o.sharding.device_ids, o.sharding.op, host=np.asarray(v))
                     for o, v in zip(self.outputs, got[0], strict=True)]
@@ -106,9 +101,9 @@ class ColocatedExecutable:
         outs_spec = [ArrayOut(o.shape, o.dtype, Layout(p.mesh, p.spec))
                      for o, p in zip(self.outputs, placed, strict=True)]
         if not outs_spec:  # nothing returned: done when the host is
-            done = self._run(*call)
+            done = run(*call)
             return [], lambda: done.result()
-        remote_outs = self._run.returning(outs_spec)(*call)
+        remote_outs = run.returning(outs_spec)(*call)
         outs = [ProxyArray(o.shape, o.dtype, p, o.sharding.device_ids, o.sharding.op,
                            remote=r)
                 for o, p, r in zip(self.outputs, placed, remote_outs, strict=True)]
@@ -116,6 +111,29 @@ class ColocatedExecutable:
 
     def close(self) -> None:
         pass
+
+
+# The slices whose sidecars a session has started (looked up by name at each call: a
+# lost slice's replacement has a name of its own).
+_started: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_started_lock = threading.Lock()
+
+
+def _on_host(table: ArrayTable, slice_name: str, name: str):
+    """The sidecar function that runs program ``name`` on ``slice_name``'s host (its
+    sidecars start on the first call there)."""
+    from pathways_ray.client.sidecar import SidecarFunction
+    from pathways_ray.proxy.plugins.colocated_host import run_on_host
+
+    with _started_lock:
+        started = _started.setdefault(table, set())
+        if slice_name not in started:
+            table.client.sidecar(run_on_host, slice=slice_name)
+            started.add(slice_name)
+    user = name.removesuffix("_output_specs_and_push_result").removesuffix(
+        "_pop_result")  # (JAX's names for a first call's two programs)
+    return SidecarFunction(table.client, slice_name, f"colocated_python({user})", "fn",
+                           target=run_on_host)
 
 
 def compile_colocated(table: ArrayTable, data: bytes) -> ColocatedExecutable:
