@@ -569,6 +569,19 @@ class Counter:
         self.seen.append(i)
         return x * 0 + len(self.seen)
 
+@cp.colocated_python_class
+class Loader:  # a data loader: calls without arguments, each takes the next batch
+    def __init__(self):
+        self.n = 0
+    def next(self):
+        n = self.n
+        if n == 1:
+            import time
+            time.sleep(1.0)  # a slow read (calls run at once would take the same batch)
+        self.n = n + 1
+        mesh = Mesh(np.array(jax.local_devices()[:4]), ("x",))
+        return jax.device_put(np.full(4, n, np.float32), NamedSharding(mesh, P("x")))
+
 @cp.colocated_python
 def boom(x):
     raise ValueError("this shard is corrupt")
@@ -588,6 +601,10 @@ c = Counter()
 x = jax.device_put(np.zeros(4, np.float32), where[1])
 adds = [c.add(x + i) for i in range(5)]  # issued without a read between: run in order
 out["counter"] = [np.asarray(a).tolist() for a in adds]
+loader = Loader()
+take = loader.next.specialize(devices=cpus[1])
+batches = [take() for _ in range(4)]
+out["batches"] = [np.asarray(b).tolist() for b in batches]
 both = NamedSharding(Mesh(np.array(cpus[0] + cpus[1]), ("x",)), P("x"))
 for name, run in (("both", lambda: scale(jax.device_put(np.ones(16, np.float32), both),
                                          {"a": jax.device_put(np.ones(8, np.float32), both)})),

@@ -393,6 +393,7 @@ def test_colocated_python_runs_on_the_host_of_its_devices_with_local_values(prox
     assert got["out"] == want["out"]
     # state on the host, its calls run in the order made
     assert got["out"]["counter"] == [[float(n)] * 4 for n in range(1, 6)]
+    assert got["out"]["batches"] == [[float(n)] * 4 for n in range(4)]  # none taken twice
     assert hosts == {"host0": "v6e-2x2-0", "host1": "v6e-2x2-1", "on0": [0, 1, 2, 3],
                      "on1": [4, 5, 6, 7]}
     assert "UNIMPLEMENTED" in got["errors"]["both"] and "2 TPU hosts" in got["errors"]["both"]

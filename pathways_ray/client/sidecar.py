@@ -49,6 +49,12 @@ __all__ = ["ArrayOut", "Host", "HostArray", "HostResults", "SidecarClass", "Side
 _objects = itertools.count(1)
 
 
+def new_object_id() -> int:
+    """A new id for calls that run in order on a slice's hosts (an object's, or an
+    ordered stream's of calls: a ``SidecarFunction`` with this ``obj``)."""
+    return next(_objects)
+
+
 class HostResults:
     """What each host's call returned, in TPU worker id order (``result()``)."""
 
@@ -101,7 +107,7 @@ class SidecarClass:
         self._client, self.slice, self.cls = client, slice_name, cls
 
     def __call__(self, *args, timeout_s: float | None = None, **kwargs) -> SidecarObject:
-        obj = next(_objects)
+        obj = new_object_id()
         name = self.cls.__name__
         made = self._client._host_call(self.slice, {"kind": "new", "target": self.cls,
                                                     "obj": obj, "name": f"{name}()"},

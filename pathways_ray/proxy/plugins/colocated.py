@@ -113,27 +113,30 @@ class ColocatedExecutable:
         pass
 
 
-# The slices whose sidecars a session has started (looked up by name at each call: a
-# lost slice's replacement has a name of its own).
-_started: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_started_lock = threading.Lock()
+# A session's colocated calls on a slice's host run one after another in the order the
+# client made them, as programs on the same devices do: a data loader's calls take its
+# batches in turn even when none has an argument to order it in the chips' stream. One
+# ordered sidecar stream per (session, slice name: a lost slice's replacement has its
+# own).
+_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_streams_lock = threading.Lock()
 
 
 def _on_host(table: ArrayTable, slice_name: str, name: str):
-    """The sidecar function that runs program ``name`` on ``slice_name``'s host (its
-    sidecars start on the first call there)."""
-    from pathways_ray.client.sidecar import SidecarFunction
+    """The sidecar function that runs program ``name`` on ``slice_name``'s host, after
+    the session's colocated calls there before it (its sidecars start on the first)."""
+    from pathways_ray.client.sidecar import SidecarFunction, new_object_id
     from pathways_ray.proxy.plugins.colocated_host import run_on_host
 
-    with _started_lock:
-        started = _started.setdefault(table, set())
-        if slice_name not in started:
+    with _streams_lock:
+        streams = _streams.setdefault(table, {})
+        if slice_name not in streams:
             table.client.sidecar(run_on_host, slice=slice_name)
-            started.add(slice_name)
+            streams[slice_name] = new_object_id()
     user = name.removesuffix("_output_specs_and_push_result").removesuffix(
         "_pop_result")  # (JAX's names for a first call's two programs)
     return SidecarFunction(table.client, slice_name, f"colocated_python({user})", "fn",
-                           target=run_on_host)
+                           target=run_on_host, obj=streams[slice_name])
 
 
 def compile_colocated(table: ArrayTable, data: bytes) -> ColocatedExecutable:
