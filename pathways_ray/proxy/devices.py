@@ -13,8 +13,8 @@ is the chips' own, "cpu", so the client lowers programs for what will run them.
 Every device has a ``colocation_id`` (``jax.experimental.colocated_python`` pairs
 devices with the CPU devices of their host by it). On the emulated fleet each chip
 is a CPU device and its own; on TPU slices each chip gets a CPU device beside it
-(ids after the chips', not in ``jax.devices()``), whose arrays live in that chip's
-host memory.
+(ids after the chips', not in ``jax.devices()``), whose arrays that chip holds (in its
+default memory for now, not yet its host's).
 """
 
 from __future__ import annotations
