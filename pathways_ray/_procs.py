@@ -86,14 +86,32 @@ def find(fleet_id: str, sessions: Collection[int] = (), *,
     return found
 
 
+# Ray's own daemons: on SIGTERM a raylet drains for ~11 s and the GCS does not exit at
+# all (measured, Ray 2.60); they hold nothing a stop would lose, so they get no grace.
+_DAEMONS = ("/ray/core/src/ray/", "ray::RuntimeEnvAgent", "ray::DashboardAgent",
+            "ray/dashboard/", "ray/autoscaler/", "log_monitor.py", "monitor.py",
+            "ray.util.client.server")
+
+
+def _is_daemon(proc: psutil.Process) -> bool:
+    try:
+        text = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return any(d in text for d in _DAEMONS)
+
+
 def kill(procs: list[psutil.Process], *, grace_s: float, sig: int = signal.SIGTERM) -> None:
-    """Send ``sig``; whatever is still alive after ``grace_s`` gets SIGKILL."""
+    """Send ``sig`` to all; wait up to ``grace_s`` for those running user code (Ray
+    workers, actors, drivers) to exit, then SIGKILL whatever is left, daemons included."""
+    workers = [p for p in procs if not _is_daemon(p)]
     for p in procs:
         try:
             p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    psutil.wait_procs(workers, timeout=grace_s)
+    alive = [p for p in procs if p.is_running()]
     for p in alive:
         try:
             p.kill()
