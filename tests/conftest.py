@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections import defaultdict
 
 import pytest
 
@@ -20,6 +21,24 @@ os.environ["PATHWAYS_RAY_DIR"] = _DIR
 # workers started by fleets inherit this and must still each get exactly one device.
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+
+# Seconds per test module (setup, calls and teardown, its fleet's start and stop
+# included): CI's budget is spent module by module, so its log says where.
+_MODULE_S: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _MODULE_S[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    slow = sorted(_MODULE_S.items(), key=lambda kv: -kv[1])[:20]
+    if not slow or slow[0][1] < 60:
+        return
+    terminalreporter.write_sep("=", f"slowest modules (of {sum(_MODULE_S.values()):.0f} s)")
+    for module, seconds in slow:
+        terminalreporter.write_line(f"{seconds:8.1f}s {module}")
 
 
 @pytest.fixture(scope="session", autouse=True)
