@@ -23,10 +23,22 @@ __all__ = [
     "USER_ENV",
     "base_dir",
     "default_compilation_cache_dir",
+    "settings_env",
     "storage_roots",
     "timeout_s",
     "transfer_mode",
 ]
+
+def settings_env(environ=None) -> dict[str, str]:
+    """What a process pathways-ray starts (controller, chips, sidecars) must see of its
+    starter's environment: every ``PATHWAYS_RAY_*`` setting, and Ray's unhandled-error
+    reports off (a lost slice's refs are handled, not leaked). Passed as an argument,
+    not a ``runtime_env``: with one, Ray starts each actor through an extra Python
+    process (setup_worker.py) instead of an idle worker (~2 s of every connect here)."""
+    environ = os.environ if environ is None else environ
+    return {"RAY_IGNORE_UNHANDLED_ERRORS": "1",
+            **{k: v for k, v in environ.items() if k.startswith("PATHWAYS_RAY_")}}
+
 
 # The Ray namespace of every named actor and KV entry pathways-ray creates.
 NAMESPACE = "pathways-ray"

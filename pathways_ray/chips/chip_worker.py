@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 class ChipWorker(JaxWorld, Shards, CarriedBuffers):
     """One chip. Create it with ``ray.remote(ChipWorker)`` and ``resources={"TPU": 1}``."""
 
-    def __init__(self, slice_name: str | None = None):
+    def __init__(self, slice_name: str | None = None, settings: dict | None = None):
+        os.environ.update(settings or {})  # its controller's (config.settings_env)
         ctx = ray.get_runtime_context()
         chips = ctx.get_accelerator_ids().get("TPU") or []
         if len(chips) != 1:

@@ -102,7 +102,9 @@ class _Arg:
 class SidecarHost:
     """Create with ``ray.remote(SidecarHost)`` in the slice's placement group."""
 
-    def __init__(self, slice_name: str, worker_id: int, num_hosts: int, chips: list[int]):
+    def __init__(self, slice_name: str, worker_id: int, num_hosts: int, chips: list[int],
+                 settings: dict | None = None):
+        os.environ.update(settings or {})  # its controller's (config.settings_env)
         self.slice_name, self.worker_id = slice_name, worker_id
         self.num_hosts, self.chips = num_hosts, tuple(chips)
         self.objects: dict[int, Any] = {}

@@ -31,7 +31,7 @@ from pathways_ray.chips.world import form_world
 from pathways_ray.clusters import registry
 from pathways_ray.clusters.cluster import cluster_slices, describe_capacity
 from pathways_ray.clusters.topology import Topology
-from pathways_ray.config import NAMESPACE, TIMEOUTS
+from pathways_ray.config import NAMESPACE, TIMEOUTS, settings_env
 from pathways_ray.errors import ReservationTimeout, WaitTimeout, WorkerDied
 from pathways_ray.transport.channel import listening
 
@@ -197,7 +197,7 @@ class Slice:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=bundle
                     ),
-                ).remote()
+                ).remote(settings=settings_env())
             )
             names.append(name)
         infos = _get([h.get_info.remote() for h in handles], timeout_s,
@@ -312,7 +312,8 @@ class Slice:
                     name=f"{ws[0].actor_name}-sidecar", namespace=NAMESPACE, num_cpus=1,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self._pg, placement_group_bundle_index=ws[0].bundle),
-                ).remote(self.name, wid, len(hosts), [w.rank for w in ws])
+                ).remote(self.name, wid, len(hosts), [w.rank for w in ws],
+                         settings=settings_env())
                 started.append(SidecarInfo(wid, tuple(w.rank for w in ws), handle))
             try:
                 boundary.get([s.handle.ping.remote() for s in started],

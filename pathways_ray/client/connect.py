@@ -76,11 +76,6 @@ def connect(slices: list | dict | None = None, *, service: str | None = None,
                         f"lease (service=...); for a private controller pass a list of shapes")
     else:
         specs = None if slices is None else list(slices)  # Topology or "v6e-4x4" strings
-    # Errors of shards the controller fetched for the client reach the client; the
-    # controller need not echo them as "unhandled" when it drops its refs.
-    # The client's settings (timeouts, directories) hold for its controller too.
-    env = {"env_vars": {"RAY_IGNORE_UNHANDLED_ERRORS": "1",
-                        **{k: v for k, v in os.environ.items() if k.startswith("PATHWAYS_RAY_")}}}
     if compilation_cache_dir == "default":
         compilation_cache_dir = config.default_compilation_cache_dir()
     # The controller runs beside its client (as Ray Train's controller runs beside the
@@ -89,18 +84,13 @@ def connect(slices: list | dict | None = None, *, service: str | None = None,
     # Hard affinity: with soft=True Ray placed it on a TPU host in 1 of 4 tries here.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     try:
-        # A lease's controller starts no process of its own (the service started the
-        # chips), so it takes its settings as an argument, not as a runtime_env for its
-        # children: with Ray's default runtime_env it starts in a worker Ray already has
-        # idle (a lease on an idle pool: 0.76 s -> 0.23-0.51 s here).
+        # The client's settings (timeouts, directories) hold for its controller and its
+        # chips: they travel as an argument (config.settings_env), not as a runtime_env.
         options = dict(num_cpus=0, max_restarts=0, scheduling_strategy=here)
-        if grant is None:
-            options["runtime_env"] = env
-        else:
-            grant = {**grant, "env": env["env_vars"]}
         actor = ray.remote(**options)(controller_cls or Controller).remote(
             specs, reserve_timeout_s, compilation_cache_dir=compilation_cache_dir,
-            multislice=multislice, lease=grant, fanout=fanout)
+            multislice=multislice, lease=grant, fanout=fanout,
+            settings=config.settings_env())
     except BaseException:
         if heartbeat is not None:
             heartbeat.release()

@@ -69,14 +69,13 @@ class Controller(Streams, SidecarCalls, Transfers, Profiles, LossesAndGrowth, Wo
     def __init__(self, slices: list | None = None, reserve_timeout_s: float | None = None,
                  max_inflight: int = 8, compilation_cache_dir: str | None = None,
                  multislice: bool = False, lease: dict | None = None,
-                 fanout: int | None = None):
+                 fanout: int | None = None, settings: dict | None = None):
         self._args = (slices, reserve_timeout_s, compilation_cache_dir, multislice)
         # A lease of a shared service (service.py): its slices are lent, already running,
         # and every call to their chips presents the lease's token.
         self._lease = lease
         self._token = lease["token"] if lease else None
-        if lease is not None:  # the client's settings (a private controller's come as its
-            os.environ.update(lease.get("env", {}))  # runtime_env, inherited by its chips)
+        os.environ.update(settings or {})  # the client's (config.settings_env), for its chips
         self.max_inflight = max_inflight
         # Hosts each host relays a slice's command stream to (fanout.py); 0: one stream
         # per chip from here.
