@@ -7,7 +7,11 @@ Side by side in one run:
 - the first all-reduce of a slice (XLA compile + gloo connect) vs. the steady state;
 - a chip worker (a Ray actor holding a JAX CPU device in a jax.distributed world)
   vs. a plain Ray actor on the same emulated host: what one emulated chip costs;
-- memory of one emulated host's Ray processes (raylet and agents).
+- memory of one emulated host's Ray processes (raylet and agents);
+- ``connect()`` (a controller and every slice's chip workers) with the client's
+  settings passed as an argument, as it does, vs. as the controller's runtime_env
+  (inherited by its chips), as it did until 2026-12-07;
+- the fleet's stop (every process gone).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import numpy as np
 import psutil
 import ray
 
-from pathways_ray import LocalFleet, Slice
+from pathways_ray import LocalFleet, Slice, connect
+from pathways_ray.config import settings_env
 
 
 def mib(n: float) -> str:
@@ -40,6 +45,31 @@ class Plain:
         return os.getpid()
 
 
+def connect_with_runtime_env():
+    """connect()'s controller as it was started until 2026-12-07: the client's settings
+    as its runtime_env, which Ray starts through setup_worker.py (its chips too)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pathways_ray.client.client import Client
+    from pathways_ray.controller.controller import Controller
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0, max_restarts=0, scheduling_strategy=here,
+                       runtime_env={"env_vars": settings_env()})(Controller).remote()
+    return Client(actor)
+
+
+def time_connects(reps: int) -> tuple[list[float], list[float]]:
+    """Seconds per connect() + close(), the two ways alternating."""
+    now, before = [], []
+    for _ in range(reps):
+        for out, start in ((now, connect), (before, connect_with_runtime_env)):
+            t = time.perf_counter()
+            start().close()
+            out.append(time.perf_counter() - t)
+    return now, before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slices", type=int, default=2)
@@ -47,6 +77,7 @@ def main() -> None:
     ap.add_argument("--topology", default="2x4")
     ap.add_argument("--chips-per-host", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--connects", type=int, default=3, help="connect() pairs to time")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -83,6 +114,9 @@ def main() -> None:
         host_rss = sum(p.memory_info().rss for p in host_procs)
         for s in [first, *rest]:
             s.shutdown()
+        now, before = time_connects(args.connects)
+        t3 = time.perf_counter()
+    fleet_down = time.perf_counter() - t3
 
     chips = sum(t.chips for t in fleet.topologies)
     med = statistics.median(steady)
@@ -100,6 +134,10 @@ def main() -> None:
     print(f"plain Ray actor     RSS {mib(plain_mem[0])}  USS {mib(plain_mem[1])}   "
           f"chip/plain RSS = {rss / plain_mem[0]:.1f}x")
     print(f"one emulated host's Ray processes ({len(host_procs)}) RSS {mib(host_rss)}")
+    a, b = statistics.median(now), statistics.median(before)
+    print(f"connect() + close(), median of {len(now)}: settings as arguments {a:5.1f} s, "
+          f"as a runtime_env {b:5.1f} s   ratio {a / b:.2f}")
+    print(f"fleet down (every process gone)          {fleet_down:7.1f} s")
 
 
 if __name__ == "__main__":
