@@ -89,7 +89,7 @@ def find(fleet_id: str, sessions: Collection[int] = (), *,
 # Ray's own daemons: on SIGTERM a raylet drains for ~11 s and the GCS does not exit at
 # all (measured, Ray 2.60); they hold nothing a stop would lose, so they get no grace.
 _DAEMONS = ("/ray/core/src/ray/", "ray::RuntimeEnvAgent", "ray::DashboardAgent",
-            "ray/dashboard/", "ray/autoscaler/", "log_monitor.py", "monitor.py",
+            "ray/dashboard/", "ray/autoscaler/", "ray/_private/log_monitor.py",
             "ray.util.client.server")
 
 
