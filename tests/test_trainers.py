@@ -239,33 +239,42 @@ def test_elastic_starts_on_free_slices_and_grows_back(fleet, tmp_path):
 
 
 JAX_CFG = {"seed": 0, "steps": 8, "batch": 32, "lr": 1e-2, "model_parallel": 2,
-           "report_every": 4}
+           "report_every": 4, "microbatches": 2}
 
 
-def test_jax_trainer_modes_agree(fleet, tmp_path):
-    """The example LM on 2 x 2x2: Ray Train's multi-controller mode and the single
-    controller give the same losses and parameters for the same seed."""
+def test_jax_trainer_modes_agree_single_controller_under_ray_job_submit(fleet, tmp_path):
+    """The example LM on 2 x 2x2, 2 micro-batches a step: Ray Train's multi-controller
+    mode (in-process) and the single controller (the example under `ray job submit`,
+    its defaults: 2 slices of the cluster) give the same losses and parameters for the
+    same seed."""
     ex = load_example("train_jax_lm")
-    results = {}
-    for mode, loop in (("multi_controller", ex.train_loop),
-                       ("single_controller", ex.train_loop_single_controller)):
-        results[mode] = JaxTrainer(loop, train_loop_config=JAX_CFG, mode=mode,
-                                   scaling_config=tpu_scaling("2x2", slices=2),
-                                   run_config=run_config(tmp_path, mode)).fit()
-    multi, single = (results[m].metrics["losses"] for m in ("multi_controller",
-                                                            "single_controller"))
-    assert len(multi) == len(single) == JAX_CFG["steps"]
-    assert multi[-1] < 0.7 * multi[0]
-    # Same math, reductions in another order (one 8-device mesh vs 2 slices + exchange).
-    np.testing.assert_allclose(single, multi, rtol=1e-5)
-    params = {}
-    for mode, result in results.items():
-        with result.checkpoint.as_directory() as d:
-            params[mode] = dict(np.load(os.path.join(d, "params.npz")))
-    assert params["multi_controller"].keys() == params["single_controller"].keys()
-    for k, v in params["multi_controller"].items():
-        np.testing.assert_allclose(params["single_controller"][k], v, rtol=1e-4, atol=1e-6,
-                                   err_msg=k)
+    multi = JaxTrainer(ex.train_loop, train_loop_config=JAX_CFG, mode="multi_controller",
+                       scaling_config=tpu_scaling("2x2", slices=2),
+                       run_config=run_config(tmp_path, "multi_controller")).fit()
+    losses = multi.metrics["losses"]
+    assert len(losses) == JAX_CFG["steps"] and losses[-1] < 0.7 * losses[0]
+    logs = _submit(fleet, "train_jax_lm.py", "--mode", "single_controller",
+                   "--steps", "8", "--batch", "32", "--lr", "0.01", "--model-parallel", "2",
+                   "--microbatches", "2", "--report-every", "4",
+                   "--storage-path", str(tmp_path / "runs"))
+    final = re.search(r"final loss (\d+\.\d+) after 8 steps on 2 x v6e 2x2 .*"
+                      r"\(single_controller\).*checkpoint (\S+)", logs)
+    assert final, logs[-3000:]
+    # Same math, reductions in another order (one 8-device mesh vs 2 slices + exchange);
+    # the job prints its losses to 4 decimals.
+    printed = {int(k): float(v) for k, v in re.findall(r"step +(\d+) +loss (\d+\.\d+)", logs)}
+    assert set(printed) == {4, 8}, logs[-3000:]
+    for step, loss in printed.items():
+        assert loss == pytest.approx(losses[step - 1], abs=1e-4), (step, loss, losses)
+    with multi.checkpoint.as_directory() as d:
+        want = dict(np.load(os.path.join(d, "params.npz")))
+    got = dict(np.load(Path(final.group(2)) / "params.npz"))
+    assert got.keys() == want.keys()
+    # AdamW divides by the root of the squared gradients: where a gradient is tiny, the
+    # summation order of the micro-batches shows (measured: 1 of 16384 entries of one
+    # weight 7.7e-6 apart, the rest within rtol 1e-4).
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=3e-5, err_msg=k)
 
 
 def _submit(fleet, script: str, *args: str, timeout_s: float = 420) -> str:
@@ -304,19 +313,15 @@ def test_torch_ddp_example_under_ray_job_submit_matches_one_process(fleet, tmp_p
     assert want[-1] < 0.8 * want[0]
 
 
-@pytest.mark.parametrize("script, args", [
-    ("train_jax_lm.py", ["--mode", "single_controller", "--steps", "10", "--microbatches", "2",
-                         "--bf16"]),
-    ("sidecar_data_loading.py", ["--steps", "10"]),
-])
-def test_examples_run_under_ray_job_submit(fleet, tmp_path, script, args):
-    where = "--data-dir" if script.startswith("sidecar") else "--storage-path"
-    logs = _submit(fleet, script, *args, where, str(tmp_path / "runs"))
+def test_sidecar_data_loading_example_under_ray_job_submit(fleet, tmp_path):
+    """The input pipeline runs on the hosts' sidecars: it trains with no input bytes
+    through the client."""
+    logs = _submit(fleet, "sidecar_data_loading.py", "--steps", "10", "--data-dir",
+                   str(tmp_path / "runs"))
     final = re.search(r"final loss (\d+\.\d+) after 10 steps", logs)
     assert final, logs[-3000:]
     assert float(final.group(1)) < 3.5
-    if script.startswith("sidecar"):  # read on the hosts: no input through the client
-        assert "input bytes sent by the client: 0" in logs, logs[-2000:]
+    assert "input bytes sent by the client: 0" in logs, logs[-2000:]
 
 
 def test_rl_loop_example_under_ray_job_submit(fleet, tmp_path):
