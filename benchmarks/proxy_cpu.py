@@ -128,6 +128,10 @@ def measure(args) -> list[tuple[str, int, float, dict, dict]]:
             proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(args.puts),
                                      str(args.steps)], env=env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True)
+            # Reading the client's lines has no timeout of its own: a stuck client is
+            # killed, which ends the loop below.
+            watchdog = threading.Timer(args.timeout_s, proc.kill)
+            watchdog.start()
             try:
                 for line in proc.stdout:
                     if line.startswith("START"):
@@ -146,8 +150,10 @@ def measure(args) -> list[tuple[str, int, float, dict, dict]]:
                         proc.stdin.write("\n")
                         proc.stdin.flush()
                 if proc.wait(timeout=120) != 0:
-                    raise SystemExit(f"the client failed ({proc.returncode})")
+                    raise SystemExit(f"the client failed ({proc.returncode}), or ran past "
+                                     f"--timeout-s={args.timeout_s:.0f} and was killed")
             finally:
+                watchdog.cancel()
                 if proc.poll() is None:
                     proc.kill()
     return results
@@ -157,6 +163,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--puts", type=int, default=1000, help="device_puts in the first burst")
     ap.add_argument("--steps", type=int, default=300, help="host-batch steps in the second")
+    ap.add_argument("--timeout-s", type=float, default=600,
+                    help="kill the client after this many seconds (a stuck proxy)")
     args = ap.parse_args()
     for name, n, wall, by_proc, by_thread in measure(args):
         total = sum(by_proc.values())
