@@ -19,11 +19,13 @@ selected, whatever its session.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import random
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -161,6 +163,16 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+# Ports handed out on this machine, by any process of this user: two fleets starting
+# at once (two `pathways-ray up`, two test processes) each probe before Ray binds, so
+# both could find the same port free. A port stays taken here for PORT_HOLD_S.
+PORT_HOLD_S = 600.0
+
+
+def _port_registry() -> Path:
+    return Path(tempfile.gettempdir()) / f"pathways-ray-ports-{os.getuid()}"
+
+
 def free_ports(n: int, exclude: Collection[int] = ()) -> list[int]:
     """``n`` different free TCP ports, all reserved together.
 
@@ -169,8 +181,36 @@ def free_ports(n: int, exclude: Collection[int] = ()) -> list[int]:
     other components"). Here every candidate stays bound until all ``n`` are
     found, and they come from below the kernel's ephemeral range, which is where
     Ray's own components get their OS-chosen ports, so those cannot take them
-    either. ``exclude`` holds ports already handed out to the same fleet.
+    either. ``exclude`` holds ports already handed out to the same fleet; ports
+    another process of this user took in the last ``PORT_HOLD_S`` seconds (a file
+    in the temp dir, under a lock) are skipped too, so fleets starting at once do
+    not collide before Ray binds what they probed.
     """
+    try:
+        registry = open(_port_registry(), "a+")  # noqa: SIM115 - held for the lock
+    except OSError as e:  # e.g. a read-only temp dir: probe alone
+        logger.debug("no port registry (%s); probing without it", e)
+        return _probe_ports(n, exclude)
+    with registry:
+        fcntl.flock(registry, fcntl.LOCK_EX)
+        registry.seek(0)
+        now, taken = time.time(), {}
+        for line in registry.read().split():
+            port, _, at = line.partition("@")
+            try:
+                if now - float(at) < PORT_HOLD_S:
+                    taken[int(port)] = at
+            except ValueError:
+                continue  # a torn line from a crash: ignore it
+        ports = _probe_ports(n, {*exclude, *taken})
+        taken.update({p: f"{now:.0f}" for p in ports})
+        registry.seek(0)
+        registry.truncate()
+        registry.write("".join(f"{p}@{at}\n" for p, at in taken.items()))
+        return ports
+
+
+def _probe_ports(n: int, exclude: Collection[int]) -> list[int]:
     low = min(_ephemeral_low(), 65536) - 1
     candidates = list(set(range(max(1024, low - 12000), low)) - set(exclude))
     random.shuffle(candidates)

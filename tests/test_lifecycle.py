@@ -184,6 +184,38 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     assert not set(more) & set(first)
 
 
+
+def test_processes_taking_ports_at_once_never_get_the_same_one(tmp_path):
+    """Fleets started at once by different processes (two test workers, two
+    `pathways-ray up`) take disjoint ports: each probe releases its port before Ray
+    binds it, so only the machine-wide registry keeps them apart. 4 processes x 1,500
+    ports of ~12,000 would overlap almost surely without it."""
+    code = ("import json, sys; from pathways_ray._procs import free_ports; "
+            "print(json.dumps(free_ports(1500)))")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    taken = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    every = [port for ports in taken for port in ports]
+    assert len(every) == len(set(every)) == 6000
+
+
+def test_the_port_registry_forgets_old_and_torn_entries(tmp_path, monkeypatch):
+    """A port handed out more than PORT_HOLD_S ago, or a line a crash tore, no longer
+    holds anything back; a fresh one does."""
+    from pathways_ray import _procs
+
+    monkeypatch.setattr(_procs, "_port_registry", lambda: tmp_path / "ports")
+    (fresh,) = _procs.free_ports(1)
+    old = time.time() - _procs.PORT_HOLD_S - 1
+    with open(tmp_path / "ports", "a") as f:
+        f.write(f"12345@{old:.0f}\n99@x\n7@")
+    _procs.free_ports(1)
+    kept = (tmp_path / "ports").read_text().split()
+    assert f"{fresh}@" in " ".join(kept) and not any(k.startswith(("12345@", "99@", "7@"))
+                                                      for k in kept)
+
 def test_console_into_a_pipe_is_wide_and_plain(monkeypatch):
     """Piped (not a terminal), the CLI's console does not cut tables at 80 columns."""
     from pathways_ray._ui import LOG_WIDTH, make_console

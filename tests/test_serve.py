@@ -7,7 +7,6 @@ which the first app's replicas cannot use) and kill, then restore, a replica's h
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ pytest.importorskip("vllm", reason="needs vLLM's CPU build (./run.sh test instal
 openai = pytest.importorskip("openai")
 
 from pathways_ray import LocalFleet, Topology  # noqa: E402
+from pathways_ray._procs import free_ports  # noqa: E402
 from pathways_ray.serve import llm_config, serve_llm, shutdown_llm  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    (port,) = free_ports(1)  # not one another test process is about to bind
+    return port
 
 
 @pytest.fixture(scope="module")
