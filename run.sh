@@ -99,6 +99,11 @@ case "$cmd" in
       args=(-m "not slow or smoke" "${args[@]}")
     else
       slurm
+      # Two pytest processes, a whole module each at a time (its fleet is shared by its
+      # tests): one alone leaves ~25% of two cores idle while fleets start and jobs
+      # import. Slowest modules first (tests/conftest.py). `-n 0` after runs it serially.
+      args=(-n "${PATHWAYS_RAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
+            "${args[@]}")
     fi
     "$VENV/bin/ruff" check .
     start=$SECONDS

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,23 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{seconds:8.1f}s {module}")
 
 
+# The suite runs as two pytest-xdist workers, a module at a time each (``./run.sh
+# test``: ``-n 2 --dist loadfile``); modules are handed out in collection order, so
+# the longest go first (their fresh-clone CI seconds, serial) and the short ones
+# fill in at the end. A module not listed runs after these.
+SLOW_FIRST = ("test_trainers", "test_proxy", "test_elastic", "test_serve",
+              "test_proxy_clients", "test_lifecycle", "test_failures", "test_slurm",
+              "test_rl", "test_controller", "test_proxy_hardening", "test_checkpoint",
+              "test_sidecar", "test_service", "test_fleet", "test_multislice",
+              "test_smoke", "test_fleet_isolation")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).stem,
+                                         len(rank)))  # stable: tests keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _fleet_dir():
     yield _DIR
@@ -48,24 +66,49 @@ def _fleet_dir():
 
 
 def ray_processes() -> set[int]:
-    """Pids of every Ray-looking process on the machine (not this one).
+    """Pids of every Ray-looking process on the machine that is not another test
+    process's (nor this one).
 
     Matches by command line, not by environment: Ray's agents rename
-    themselves with setproctitle, which wipes their /proc environ.
+    themselves with setproctitle, which wipes their /proc environ. The suite
+    runs as two pytest processes at once (``./run.sh test``), each with its own
+    ``PATHWAYS_RAY_DIR``, which every process it starts inherits: a process
+    whose environment names another dir is the other's, and so is a renamed one
+    in the same session (every ``ray start`` leads a session of its own).
     """
     import psutil
 
     from pathways_ray._procs import _looks_like_ray
 
     me = os.getpid()
-    out = set()
+    owner: dict[int, str | None] = {}
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.pid != me and proc.status() != psutil.STATUS_ZOMBIE and _looks_like_ray(proc):
-                out.add(proc.pid)
+            if proc.pid == me or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if _looks_like_ray(proc):
+                owner[proc.pid] = _dir_of(proc)
         except psutil.Error:
             continue
-    return out
+    foreign = {_sid(pid) for pid, d in owner.items() if d not in (None, _DIR)}
+    return {pid for pid, d in owner.items()
+            if d == _DIR or (d is None and _sid(pid) not in foreign)}
+
+
+def _dir_of(proc) -> str | None:
+    import psutil
+
+    try:
+        return proc.environ().get("PATHWAYS_RAY_DIR")
+    except psutil.Error:
+        return None
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 def leftovers(before: set[int], timeout_s: float = 10.0) -> list[str]:
