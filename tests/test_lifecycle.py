@@ -184,13 +184,12 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     assert not set(more) & set(first)
 
 
-
 def test_processes_taking_ports_at_once_never_get_the_same_one(tmp_path):
     """Fleets started at once by different processes (two test workers, two
     `pathways-ray up`) take disjoint ports: each probe releases its port before Ray
     binds it, so only the machine-wide registry keeps them apart. 4 processes x 1,500
     ports of ~12,000 would overlap almost surely without it."""
-    code = ("import json, sys; from pathways_ray._procs import free_ports; "
+    code = ("import json; from pathways_ray._procs import free_ports; "
             "print(json.dumps(free_ports(1500)))")
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
@@ -215,6 +214,7 @@ def test_the_port_registry_forgets_old_and_torn_entries(tmp_path, monkeypatch):
     kept = (tmp_path / "ports").read_text().split()
     assert f"{fresh}@" in " ".join(kept) and not any(k.startswith(("12345@", "99@", "7@"))
                                                       for k in kept)
+
 
 def test_console_into_a_pipe_is_wide_and_plain(monkeypatch):
     """Piped (not a terminal), the CLI's console does not cut tables at 80 columns."""
