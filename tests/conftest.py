@@ -80,11 +80,16 @@ def ray_processes() -> set[int]:
 
     from pathways_ray._procs import _looks_like_ray
 
-    me = os.getpid()
+    # Under xdist the controller and the workers are this process's parent and
+    # siblings; a worker's title names its test ("test_kuberay_...": "ray" in it).
+    skip = {os.getpid()}
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        parent = psutil.Process(os.getppid())
+        skip |= {parent.pid, *(c.pid for c in parent.children())}
     owner: dict[int, str | None] = {}
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.pid == me or proc.status() == psutil.STATUS_ZOMBIE:
+            if proc.pid in skip or proc.status() == psutil.STATUS_ZOMBIE:
                 continue
             if _looks_like_ray(proc):
                 owner[proc.pid] = _dir_of(proc)

@@ -553,9 +553,11 @@ def test_a_profile_of_5_steps_on_2_slices_is_one_trace_of_every_chip(client, mes
     assert len(client_calls) == 10, [e["name"] for e in spans["client"]]
     assert any(e["name"].startswith("send ") for e in spans["client"])
 
-    # One clock: on one machine every chip's measured offset is under a millisecond, and
-    # each slice's first chip span starts after the controller began sending to it.
-    assert prof.clocks and all(abs(off) < 1_000_000 for off, _ in prof.clocks.values())
+    # One clock: on one machine every chip's measured offset is within its uncertainty
+    # (half the round trip, which load stretches: 1.4 +- 1.9 ms beside another test
+    # worker), and each slice's first chip span starts after the controller began
+    # sending to it.
+    assert prof.clocks and all(abs(off) <= unc for off, unc in prof.clocks.values())
     for s in client.slices:
         first_submit = min(e["ts"] for e in submits if e["name"] == f"submit {s.name}")
         first_run = min(e["ts"] for r in range(4)
